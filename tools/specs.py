@@ -1,0 +1,310 @@
+"""Every tool, declared once.
+
+A `ToolSpec` is the single source for a tool's prompt text (`render_prompt`),
+for how the streaming parser reads its parameters (attribute or raw child
+element), for argument validation (`ToolSpec.validate`) and for the scheduling
+footprint that lets independent calls run in parallel (`ToolSpec.footprint`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult
+
+ParamKind = Literal["str", "int", "float", "bool", "list"]
+ALL = ""  # the footprint prefix that covers the whole workspace
+
+
+@dataclass(frozen=True, kw_only=True)
+class Param:
+    name: str
+    kind: ParamKind = "str"
+    required: bool = True
+    child: bool = False  # long, raw text: written as <name>…</name> inside the call
+    doc: str = ""
+
+    def convert(self, raw: str) -> Any:
+        match self.kind:
+            case "str":
+                return raw
+            case "int":
+                try:
+                    return int(raw.strip())
+                except ValueError:
+                    raise ToolError(f"parameter {self.name} must be an integer, got {raw!r}") from None
+            case "float":
+                try:
+                    return float(raw.strip())
+                except ValueError:
+                    raise ToolError(f"parameter {self.name} must be a number, got {raw!r}") from None
+            case "bool":
+                value = raw.strip().lower()
+                if value in ("true", "1", "yes"):
+                    return True
+                if value in ("false", "0", "no"):
+                    return False
+                raise ToolError(f"parameter {self.name} must be true or false, got {raw!r}")
+            case "list":
+                return [p for p in raw.replace(",", " ").split() if p]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Workspace path prefixes a call reads and writes (ALL = everything).
+
+    `terminal` marks run_terminal calls, which may overlap each other but are
+    ordered against every call that touches files.
+    """
+
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    terminal: bool = False
+
+    def conflicts(self, other: Footprint) -> bool:
+        if self.terminal and other.terminal:
+            return False
+        return (
+            _overlap(self.writes, other.reads + other.writes)
+            or _overlap(other.writes, self.reads + self.writes)
+        )
+
+
+def _norm(prefix: str) -> str:
+    prefix = prefix.strip().strip("/")
+    return "" if prefix in ("", ".") else prefix
+
+
+def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    for x in map(_norm, a):
+        for y in map(_norm, b):
+            if x == ALL or y == ALL or x == y or x.startswith(y + "/") or y.startswith(x + "/"):
+                return True
+    return False
+
+
+ToolFn = Callable[..., Awaitable[ToolResult]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSpec:
+    name: str
+    summary: str
+    params: tuple[Param, ...]
+    impl: str  # "module:function", imported on first use so the CLI stays light
+    read_only: bool
+    footprint: Callable[[Mapping[str, Any]], Footprint]
+    example: str
+    notes: str = ""
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def child_names(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.params)
+
+    def validate(self, raw: Mapping[str, str]) -> dict[str, Any]:
+        """Typed arguments from the raw strings the parser found; ToolError on any problem."""
+        unknown = sorted(set(raw) - {p.name for p in self.params})
+        if unknown:
+            allowed = ", ".join(p.name for p in self.params)
+            raise ToolError(f"{self.name}: unknown parameter {', '.join(unknown)} (takes {allowed})")
+        args: dict[str, Any] = {}
+        for p in self.params:
+            if p.name in raw:
+                try:
+                    args[p.name] = p.convert(raw[p.name])
+                except ToolError as e:
+                    raise ToolError(f"{self.name}: {e}") from None
+            elif p.required:
+                raise ToolError(f"{self.name}: missing required parameter {p.name}")
+        return args
+
+    def load(self) -> ToolFn:
+        module, _, fn = self.impl.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+    async def run(self, ctx: ToolContext, args: Mapping[str, Any]) -> ToolResult:
+        return await self.load()(ctx, **args)
+
+    def render(self) -> str:
+        lines = [f"## {self.name}", self.summary]
+        for p in self.params:
+            how = f"child element <{p.name}>…</{p.name}>" if p.child else "attribute"
+            opt = "" if p.required else ", optional"
+            lines.append(f"- {p.name} ({p.kind}, {how}{opt}): {p.doc}")
+        if self.notes:
+            lines.append(self.notes)
+        lines.append("Example:\n" + self.example)
+        return "\n".join(lines)
+
+
+def _path_reads(args: Mapping[str, Any]) -> Footprint:
+    return Footprint(reads=(args.get("path") or ALL,))
+
+
+def _path_writes(args: Mapping[str, Any]) -> Footprint:
+    return Footprint(writes=(args.get("path") or ALL,))
+
+
+def _lint_reads(args: Mapping[str, Any]) -> Footprint:
+    return Footprint(reads=tuple(args.get("paths") or [ALL]))
+
+
+SPECS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        name="read_file",
+        summary="Read a text file; lines come back numbered. Open editor buffers win over disk.",
+        params=(
+            Param(name="path", doc="workspace-relative path"),
+            Param(name="start_line", kind="int", required=False, doc="first line, 1-based"),
+            Param(name="end_line", kind="int", required=False, doc="last line, inclusive"),
+        ),
+        impl="opencomposer.tools.files:read_file",
+        read_only=True,
+        footprint=_path_reads,
+        example='<read_file path="src/app.py" start_line="1" end_line="60"/>',
+    ),
+    ToolSpec(
+        name="edit_file",
+        summary=(
+            "Replace text in a file. <old> must match the file exactly once "
+            "(whitespace differences are tolerated); include enough lines to be unique."
+        ),
+        params=(
+            Param(name="path", doc="workspace-relative path"),
+            Param(name="old", child=True, doc="the exact text to replace"),
+            Param(name="new", child=True, doc="the replacement text"),
+            Param(name="replace_all", kind="bool", required=False, doc="replace every match"),
+        ),
+        impl="opencomposer.tools.files:edit_file",
+        read_only=False,
+        footprint=_path_writes,
+        example=(
+            '<edit_file path="src/app.py">\n<old>    return a - b</old>\n'
+            "<new>    return a + b</new>\n</edit_file>"
+        ),
+    ),
+    ToolSpec(
+        name="write_file",
+        summary="Create a file, or overwrite it whole.",
+        params=(
+            Param(name="path", doc="workspace-relative path"),
+            Param(name="content", child=True, doc="the full new text of the file"),
+        ),
+        impl="opencomposer.tools.files:write_file",
+        read_only=False,
+        footprint=_path_writes,
+        example='<write_file path="notes.txt">\n<content>hello\n</content>\n</write_file>',
+    ),
+    ToolSpec(
+        name="delete_file",
+        summary="Delete a file.",
+        params=(Param(name="path", doc="workspace-relative path"),),
+        impl="opencomposer.tools.files:delete_file",
+        read_only=False,
+        footprint=_path_writes,
+        example='<delete_file path="old_module.py"/>',
+    ),
+    ToolSpec(
+        name="list_dir",
+        summary="List a directory as a tree (.gitignore respected).",
+        params=(
+            Param(name="path", required=False, doc="directory, default the workspace root"),
+            Param(name="depth", kind="int", required=False, doc="levels to show, default 2"),
+        ),
+        impl="opencomposer.tools.files:list_dir",
+        read_only=True,
+        footprint=_path_reads,
+        example='<list_dir path="src" depth="2"/>',
+    ),
+    ToolSpec(
+        name="glob",
+        summary="Find files whose paths match a glob pattern (** spans folders).",
+        params=(Param(name="pattern", doc='for example "**/*.py" or "src/**/test_*.py"'),),
+        impl="opencomposer.tools.search:glob",
+        read_only=True,
+        footprint=lambda args: Footprint(reads=(ALL,)),
+        example='<glob pattern="**/*.py"/>',
+    ),
+    ToolSpec(
+        name="grep",
+        summary="Search file contents with a regular expression; matches come back as path:line:text.",
+        params=(
+            Param(name="pattern", doc="regular expression"),
+            Param(name="path", required=False, doc="file or folder to search, default everything"),
+            Param(name="glob", required=False, doc='only files matching this glob, e.g. "*.py"'),
+            Param(name="case_sensitive", kind="bool", required=False, doc="default true"),
+        ),
+        impl="opencomposer.tools.search:grep",
+        read_only=True,
+        footprint=_path_reads,
+        example='<grep pattern="def retry" path="src"/>',
+    ),
+    ToolSpec(
+        name="codebase_search",
+        summary=(
+            "Semantic and keyword search over the whole codebase: describe what you look "
+            "for in words; returns ranked path:start-end chunks."
+        ),
+        params=(
+            Param(name="query", doc="what the code does, in words, or identifiers"),
+            Param(name="path", required=False, doc="only under this folder"),
+            Param(name="k", kind="int", required=False, doc="results, default 8"),
+        ),
+        impl="opencomposer.tools.search:codebase_search",
+        read_only=True,
+        footprint=lambda args: Footprint(reads=(ALL,)),
+        example='<codebase_search query="where retries back off after a failed request"/>',
+    ),
+    ToolSpec(
+        name="read_lints",
+        summary="Diagnostics: syntax errors in any language, ruff findings for Python.",
+        params=(
+            Param(name="paths", kind="list", required=False, doc="files or folders, space separated; default all"),
+        ),
+        impl="opencomposer.tools.lints:read_lints",
+        read_only=True,
+        footprint=_lint_reads,
+        example='<read_lints paths="src/app.py"/>',
+    ),
+    ToolSpec(
+        name="run_terminal",
+        summary=(
+            "Run a shell command in a sandbox at the workspace root (no network); "
+            "returns the exit code and output."
+        ),
+        params=(
+            Param(name="command", child=True, doc="a bash command line"),
+            Param(name="timeout_s", kind="float", required=False, doc="seconds, default 120"),
+        ),
+        impl="opencomposer.tools.terminal:run_terminal",
+        read_only=False,
+        footprint=lambda args: Footprint(reads=(ALL,), writes=(ALL,), terminal=True),
+        example="<run_terminal>\n<command>python -m pytest -q tests/test_app.py</command>\n</run_terminal>",
+        notes=(
+            "Several run_terminal calls in one message may run at the same time; "
+            "put dependent commands in one call joined with &&."
+        ),
+    ),
+)
+
+BY_NAME: dict[str, ToolSpec] = {s.name: s for s in SPECS}
+TOOL_NAMES: frozenset[str] = frozenset(BY_NAME)
+
+
+def get(name: str) -> ToolSpec:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ToolError(
+            f"unknown tool <{name}>; the tools are: {', '.join(sorted(TOOL_NAMES))}"
+        ) from None
+
+
+def render_prompt(specs: tuple[ToolSpec, ...] = SPECS) -> str:
+    return "\n\n".join(s.render() for s in specs)
