@@ -35,12 +35,16 @@ class Param:
                 try:
                     return int(raw.strip())
                 except ValueError:
-                    raise ToolError(f"parameter {self.name} must be an integer, got {raw!r}") from None
+                    raise ToolError(
+                        f"parameter {self.name} must be an integer, got {raw!r}"
+                    ) from None
             case "float":
                 try:
                     return float(raw.strip())
                 except ValueError:
-                    raise ToolError(f"parameter {self.name} must be a number, got {raw!r}") from None
+                    raise ToolError(
+                        f"parameter {self.name} must be a number, got {raw!r}"
+                    ) from None
             case "bool":
                 value = raw.strip().lower()
                 if value in ("true", "1", "yes"):
@@ -67,9 +71,8 @@ class Footprint:
     def conflicts(self, other: Footprint) -> bool:
         if self.terminal and other.terminal:
             return False
-        return (
-            _overlap(self.writes, other.reads + other.writes)
-            or _overlap(other.writes, self.reads + self.writes)
+        return _overlap(self.writes, other.reads + other.writes) or _overlap(
+            other.writes, self.reads + self.writes
         )
 
 
@@ -81,7 +84,7 @@ def _norm(prefix: str) -> str:
 def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     for x in map(_norm, a):
         for y in map(_norm, b):
-            if x == ALL or y == ALL or x == y or x.startswith(y + "/") or y.startswith(x + "/"):
+            if x in (ALL, y) or y == ALL or x.startswith(y + "/") or y.startswith(x + "/"):
                 return True
     return False
 
@@ -112,7 +115,9 @@ class ToolSpec:
         unknown = sorted(set(raw) - {p.name for p in self.params})
         if unknown:
             allowed = ", ".join(p.name for p in self.params)
-            raise ToolError(f"{self.name}: unknown parameter {', '.join(unknown)} (takes {allowed})")
+            raise ToolError(
+                f"{self.name}: unknown parameter {', '.join(unknown)} (takes {allowed})"
+            )
         args: dict[str, Any] = {}
         for p in self.params:
             if p.name in raw:
@@ -265,7 +270,12 @@ SPECS: tuple[ToolSpec, ...] = (
         name="read_lints",
         summary="Diagnostics: syntax errors in any language, ruff findings for Python.",
         params=(
-            Param(name="paths", kind="list", required=False, doc="files or folders, space separated; default all"),
+            Param(
+                name="paths",
+                kind="list",
+                required=False,
+                doc="files or folders, space separated; default all",
+            ),
         ),
         impl="opencomposer.tools.lints:read_lints",
         read_only=True,

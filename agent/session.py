@@ -1,0 +1,439 @@
+"""The session loop: one user request, answered by a model through tool calls.
+
+    session = Session(model=make_model("smollm2"), workspace=LocalWorkspace(root))
+    result = await session.run("fix the failing test")
+
+Each turn streams the model's reply through the XML parser; every call starts the
+moment its closing tag arrives (`Executor`), and the turn's results go back in one
+message. A reply without calls is the answer. Recoverable problems (malformed
+calls, failed tools, refused approvals) are results the model reads; terminal ones
+(budgets, cancellation, a failing model) end the session with a status. The trace
+is written after every step, and always finished in a `finally`.
+
+Training wraps this loop unchanged: a rollout is a session whose `TurnRecord`s
+carry the token ids and logprobs the trainer needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from opencomposer.agent import events as ev
+from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
+from opencomposer.agent.prompts import system_prompt, user_message
+from opencomposer.agent.protocols import Message, Model, ModelError, Sampling, TurnOutput
+from opencomposer.agent.traces import TraceStore
+from opencomposer.agent.xmlcalls import StreamParser
+from opencomposer.tools import specs
+from opencomposer.tools.protocols import Edit, Index, SandboxConfig, ToolContext, Workspace
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["none", "safe", "all"]
+Approver = Callable[[str, dict[str, Any]], Awaitable[Approval]]
+POLICIES: tuple[str, ...] = ("none", "safe", "all")
+_CHILDREN = {s.name: s.child_names for s in specs.SPECS}
+_BARE = {
+    s.name: kids[0].name for s in specs.SPECS if len(kids := [p for p in s.params if p.child]) == 1
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionConfig:
+    approve: Policy = (
+        "safe"  # which calls run without asking: none, safe (read-only + allowlist), all
+    )
+    max_turns: int = 25
+    max_completion_tokens: int = 64_000
+    sampling: Sampling = field(default_factory=Sampling)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    output_limit: int = 20_000  # characters of one tool result the model sees
+    emit_deltas: bool = True  # model_delta events for live views
+
+
+@dataclass(kw_only=True)
+class TurnRecord:
+    turn: int
+    messages: list[Message]  # the prompt of this turn
+    output: TurnOutput
+    calls: list[CallRecord]
+    t_start: float
+    t_end: float
+
+
+@dataclass(kw_only=True)
+class SessionResult:
+    session_id: str
+    status: (
+        str  # completed | cancelled | error | max_turns | max_tokens | context_full | disconnected
+    )
+    answer: str
+    edits: list[Edit]
+    trace: str
+    turns: list[TurnRecord]
+    tool_calls: int
+    duration_s: float
+    error: str | None = None
+
+
+class _End(Exception):
+    def __init__(self, status: str, message: str = ""):
+        super().__init__(message or status)
+        self.status = status
+
+
+class Session:
+    def __init__(
+        self,
+        *,
+        model: Model,
+        workspace: Workspace,
+        config: SessionConfig | None = None,
+        on_event: ev.EventSink | None = None,
+        approver: Approver | None = None,
+        traces: TraceStore | None = None,
+        index: Index | None = None,
+        index_factory: Callable[[], Awaitable[Index]] | None = None,
+        on_file_changed: Callable[[str], None] | None = None,
+        session_id: str | None = None,
+    ):
+        self.model = model
+        self.workspace = workspace
+        self.config = config or SessionConfig()
+        self.on_event = on_event
+        self.approver = approver
+        self.traces = traces
+        self.id = session_id or uuid.uuid4().hex[:12]
+        self.ctx = ToolContext(
+            workspace=workspace,
+            index=index,
+            index_factory=index_factory,
+            sandbox=self.config.sandbox,
+            on_file_changed=on_file_changed,
+        )
+        self.clock = ev.Clock()
+        self.messages: list[Message] = []
+        self.turns: list[TurnRecord] = []
+        self.edits: list[Edit] = []
+        self.tool_calls = 0
+        self.completion_tokens = 0
+        self._always: set[str] = set()
+        self._approval_lock = asyncio.Lock()
+        self._task: asyncio.Task[Any] | None = None
+        self._cancel_reason: str | None = None
+
+    # -- public -----------------------------------------------------------------
+
+    async def run(self, query: str, context: str | None = None) -> SessionResult:
+        self._task = asyncio.current_task()
+        self.messages = [
+            Message(role="system", content=system_prompt()),
+            Message(role="user", content=user_message(query, context)),
+        ]
+        if self.traces:
+            self.traces.start_session(
+                self.id,
+                workspace=self.workspace.root,
+                model=self.model.name,
+                sampling=vars(self.config.sampling) | {"stop": list(self.config.sampling.stop)},
+                query=query,
+            )
+        self._emit(
+            ev.SESSION_START,
+            session_id=self.id,
+            workspace=str(self.workspace.root),
+            model=self.model.name,
+        )
+        status, answer, error = "completed", "", None
+        try:
+            answer = await self._loop()
+        except _End as end:
+            status, error = end.status, str(end)
+        except ModelError as e:
+            status, error = "error", f"model failed: {e}"
+        except asyncio.CancelledError:
+            status = self._cancel_reason or "cancelled"
+            if (
+                self._cancel_reason is None
+            ):  # cancelled from outside: finish the trace, then propagate
+                self._finish(status, answer, error)
+                raise
+            if self._task is not None:
+                self._task.uncancel()
+        except Exception as e:
+            log.exception("session %s failed", self.id)
+            status, error = "error", f"{type(e).__name__}: {e}"
+        return self._finish(status, answer, error)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the model stream and the running tools; run() returns with `reason`."""
+        if self._task is not None and not self._task.done() and self._cancel_reason is None:
+            self._cancel_reason = reason
+            self._task.cancel()
+
+    # -- the loop ---------------------------------------------------------------
+
+    async def _loop(self) -> str:
+        for turn in range(1, self.config.max_turns + 1):
+            record = await self._turn(turn)
+            if not record.calls:
+                return record.output.text.strip()
+            self.messages.append(Message(role="assistant", content=record.output.text))
+            self.messages.append(
+                Message(role="user", content=format_results(record.calls), kind="tool_results")
+            )
+            if self.completion_tokens >= self.config.max_completion_tokens:
+                raise _End(
+                    "max_tokens",
+                    f"completion token budget of {self.config.max_completion_tokens} spent",
+                )
+        raise _End("max_turns", f"no answer within {self.config.max_turns} turns")
+
+    async def _turn(self, turn: int) -> TurnRecord:
+        sampling = self._fit_context()
+        t_start = time.time()
+        self._emit(ev.MODEL_START, turn=turn)
+        parser = StreamParser(_CHILDREN, _BARE)
+        executor = Executor(
+            self.ctx,
+            turn=turn,
+            gate=self._gate,
+            hooks=Hooks(on_start=self._on_call_start, on_end=self._on_call_end),
+            output_limit=self.config.output_limit,
+        )
+        prompt = list(self.messages)
+        stream = self.model.stream(prompt, sampling)
+        try:
+            async for delta in stream:
+                if self.config.emit_deltas and delta:
+                    self._emit(ev.MODEL_DELTA, turn=turn, text=delta)
+                for call in parser.feed(delta):
+                    executor.submit(call)
+            for call in parser.close():
+                executor.submit(call)
+            output = stream.output or TurnOutput(text=parser.text)
+            self.completion_tokens += output.completion_tokens
+            self._emit(
+                ev.MODEL_END,
+                turn=turn,
+                prompt_tokens=output.prompt_tokens,
+                completion_tokens=output.completion_tokens,
+            )
+            self._emit(ev.MESSAGE, turn=turn, text=output.text)
+            calls = await executor.wait()
+        except BaseException:
+            await stream.aclose()
+            await executor.cancel()
+            raise
+        record = TurnRecord(
+            turn=turn,
+            messages=prompt,
+            output=output,
+            calls=calls,
+            t_start=t_start,
+            t_end=time.time(),
+        )
+        self.turns.append(record)
+        if self.traces:
+            self.traces.write_turn(
+                self.id,
+                turn,
+                messages=[m.as_dict() for m in prompt],
+                output=output,
+                t_start=t_start,
+                t_end=record.t_end,
+            )
+        return record
+
+    # -- tools ------------------------------------------------------------------
+
+    def _on_call_start(self, rec: CallRecord) -> None:
+        self.tool_calls += 1
+        self._emit(
+            ev.TOOL_START,
+            turn=rec.turn,
+            call_id=rec.call_id,
+            name=rec.name,
+            args=_event_args(rec.args),
+        )
+
+    def _on_call_end(self, rec: CallRecord) -> None:
+        turn, result = rec.turn, rec.result
+        assert result is not None
+        for edit in result.edits:
+            self.edits.append(edit)
+            self._emit(ev.EDIT, path=edit.path, diff=edit.diff, call_id=rec.call_id)
+            if self.traces:
+                self.traces.write_edit(
+                    self.id,
+                    len(self.edits),
+                    turn=turn,
+                    call_id=rec.call_id,
+                    path=edit.path,
+                    before=edit.before,
+                    after=edit.after,
+                    diff=edit.diff,
+                )
+        self._emit(
+            ev.TOOL_END,
+            turn=turn,
+            call_id=rec.call_id,
+            name=rec.name,
+            status=result.status,
+            duration_s=rec.duration_s,
+        )
+        if self.traces:
+            self.traces.write_call(
+                self.id,
+                turn,
+                call_id=rec.call_id,
+                index=rec.index,
+                name=rec.name,
+                args=rec.args,
+                status=result.status,
+                result=result.output,
+                t_start=rec.t_start,
+                t_end=rec.t_end,
+            )
+
+    def needs_approval(self, spec: specs.ToolSpec, args: dict[str, Any]) -> bool:
+        policy = self.config.approve
+        if policy == "all":
+            return False
+        if policy == "none":
+            return True
+        if spec.read_only:
+            return False
+        if spec.name == "run_terminal":
+            from opencomposer.tools.terminal import is_safe_command
+
+            return not is_safe_command(args.get("command", ""))
+        return True
+
+    async def _gate(self, spec: specs.ToolSpec, args: dict[str, Any]) -> str | None:
+        if not self.needs_approval(spec, args):
+            return None
+        key = (
+            f"run_terminal:{args.get('command', '')}" if spec.name == "run_terminal" else spec.name
+        )
+        async with self._approval_lock:
+            if key in self._always:
+                return None
+            if self.approver is None:
+                return (
+                    f"not run: {spec.name} needs the user's approval under the '{self.config.approve}' "
+                    "policy and no one can approve here"
+                )
+            decision = await self.approver(spec.name, args)
+        if decision == "always":
+            self._always.add(key)
+            return None
+        if decision == "run":
+            return None
+        return f"not run: the user rejected this {spec.name} call"
+
+    # -- context ----------------------------------------------------------------
+
+    def _fit_context(self) -> Sampling:
+        """Shrink older tool output (then older replies) until the prompt fits; the
+        system prompt and the user's request are never touched."""
+        sampling = self.config.sampling
+        window = self.model.context_window
+        reserve = min(sampling.max_tokens, max(256, window // 4))
+        budget = window - reserve - 32
+        count = self.model.count_tokens
+        sizes = [count(m.content) for m in self.messages]
+        if sum(sizes) > budget:
+            protected = {0, 1}
+            last = len(self.messages) - 1
+            order = [
+                i for i, m in enumerate(self.messages) if m.kind == "tool_results" and i != last
+            ]
+            order += [
+                i for i, m in enumerate(self.messages) if m.role == "assistant" and i < last - 1
+            ]
+            order += [last] if last not in protected else []
+            for limit in (2_000, 300):
+                for i in order:
+                    if sum(sizes) <= budget:
+                        break
+                    m = self.messages[i]
+                    if len(m.content) > limit:
+                        self.messages[i] = Message(
+                            role=m.role, content=_shrink(m.content, limit), kind=m.kind
+                        )
+                        sizes[i] = count(self.messages[i].content)
+            if sum(sizes) > budget:
+                raise _End(
+                    "context_full", f"the request does not fit the {window}-token context window"
+                )
+        room = window - sum(sizes) - 16
+        if room < sampling.max_tokens:
+            sampling = Sampling(**(vars(sampling) | {"max_tokens": max(16, room)}))
+        return sampling
+
+    # -- events and the end -------------------------------------------------------
+
+    def _emit(self, type_: str, **fields: Any) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(ev.make(self.clock, type_, **fields))
+        except Exception:
+            log.exception("event sink failed on %s", type_)
+
+    def _finish(self, status: str, answer: str, error: str | None) -> SessionResult:
+        trace = self.traces.ref(self.id) if self.traces else ""
+        if self.traces:
+            try:
+                self.traces.end_session(
+                    self.id,
+                    status=status,
+                    answer=answer or (error or ""),
+                    turns=len(self.turns),
+                    tool_calls=self.tool_calls,
+                )
+            except Exception:
+                log.exception("could not finish the trace of %s", self.id)
+        duration = self.clock.now()
+        if error:
+            self._emit(ev.MESSAGE, turn=len(self.turns), text=f"[{status}] {error}")
+        self._emit(
+            ev.SESSION_END,
+            status=status,
+            turns=len(self.turns),
+            tool_calls=self.tool_calls,
+            duration_s=duration,
+            trace=trace,
+        )
+        return SessionResult(
+            session_id=self.id,
+            status=status,
+            answer=answer,
+            edits=list(self.edits),
+            trace=trace,
+            turns=list(self.turns),
+            tool_calls=self.tool_calls,
+            duration_s=duration,
+            error=error,
+        )
+
+
+def _shrink(text: str, limit: int) -> str:
+    head = limit * 2 // 3
+    tail = limit - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[… {cut} characters elided to fit the context window …]\n{text[-tail:]}"
+
+
+def _event_args(args: dict[str, Any], limit: int = 4_000) -> dict[str, Any]:
+    return {
+        k: (v[:limit] + "…" if isinstance(v, str) and len(v) > limit else v)
+        for k, v in args.items()
+    }

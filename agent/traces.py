@@ -1,0 +1,339 @@
+"""The trace store: every session, turn, tool call and edit, in SQLite (WAL).
+
+`$OPENCOMPOSER_HOME/traces.db` (default `~/.local/share/opencomposer`). The session
+loop writes after every step, so a crash or a killed process loses at most the step
+in flight. Everything textual passes through the `Redactor` first; a turn whose text
+needed redaction keeps no token ids (they would spell the secret back out).
+
+Run `opencomposer traces list|show|export` to read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.redact import Redactor
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS sessions (
+  id TEXT PRIMARY KEY, started REAL, ended REAL, status TEXT, workspace TEXT,
+  git_head TEXT, git_diff TEXT, model TEXT, sampling TEXT, query TEXT, answer TEXT,
+  turns INTEGER DEFAULT 0, tool_calls INTEGER DEFAULT 0, meta TEXT
+);
+CREATE TABLE IF NOT EXISTS turns (
+  session_id TEXT, turn INTEGER, messages TEXT, text TEXT, finish_reason TEXT,
+  prompt_token_ids TEXT, completion_token_ids TEXT, completion_logprobs TEXT,
+  prompt_tokens INTEGER, completion_tokens INTEGER, weight_version INTEGER,
+  t_start REAL, t_end REAL, redacted INTEGER DEFAULT 0,
+  PRIMARY KEY (session_id, turn)
+);
+CREATE TABLE IF NOT EXISTS tool_calls (
+  session_id TEXT, turn INTEGER, call_id TEXT, idx INTEGER, name TEXT, args TEXT,
+  status TEXT, result TEXT, t_start REAL, t_end REAL,
+  PRIMARY KEY (session_id, call_id)
+);
+CREATE TABLE IF NOT EXISTS edits (
+  session_id TEXT, seq INTEGER, turn INTEGER, call_id TEXT, path TEXT,
+  before TEXT, after TEXT, diff TEXT, decision TEXT, decided_at REAL,
+  PRIMARY KEY (session_id, seq)
+);
+CREATE INDEX IF NOT EXISTS sessions_started ON sessions(started);
+"""
+
+
+def home() -> Path:
+    return Path(os.environ.get("OPENCOMPOSER_HOME") or Path.home() / ".local/share/opencomposer")
+
+
+def git_state(root: Path) -> tuple[str | None, str]:
+    """HEAD and the uncommitted diff (untracked text files included as new files)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None, ""
+    diff = git("diff", "--binary", "HEAD") or ""
+    for rel in (git("ls-files", "--others", "--exclude-standard") or "").splitlines()[:200]:
+        diff += _new_file_diff(root, rel)
+    return head.strip(), diff
+
+
+def _new_file_diff(root: Path, rel: str) -> str:
+    # `git diff --no-index` exits 1 when files differ, which git() reads as failure.
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "diff", "--no-index", "--binary", "/dev/null", rel],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+class TraceStore:
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path else home() / "traces.db"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            self.path, check_same_thread=False, timeout=30, isolation_level=None
+        )
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(
+            "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+        self._redactors: dict[str, Redactor] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def ref(self, session_id: str) -> str:
+        return f"{self.path}#{session_id}"
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        with self._lock:
+            self._db.execute(sql, args)
+
+    def _redact(self, session_id: str, text: str | None) -> str | None:
+        return self._redactors.get(session_id, Redactor())(text)
+
+    # -- writing (the session loop) -------------------------------------------
+
+    def start_session(
+        self, session_id: str, *, workspace: Path, model: str, sampling: dict[str, Any], query: str
+    ) -> None:
+        redactor = Redactor.for_workspace(workspace)
+        self._redactors[session_id] = redactor
+        head, diff = git_state(workspace)
+        self._exec(
+            "INSERT OR REPLACE INTO sessions (id, started, status, workspace, git_head, git_diff,"
+            " model, sampling, query) VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                session_id,
+                time.time(),
+                "running",
+                str(workspace),
+                head,
+                redactor(diff),
+                model,
+                json.dumps(sampling),
+                redactor(query),
+            ),
+        )
+
+    def write_turn(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        messages: list[dict[str, str]],
+        output: Any,
+        t_start: float,
+        t_end: float,
+    ) -> None:
+        redactor = self._redactors.get(session_id, Redactor())
+        text = output.text
+        clean = redactor(text) or ""
+        clean_messages = [{**m, "content": redactor(m["content"])} for m in messages]
+        redacted = clean != text or any(
+            c["content"] != m["content"] for c, m in zip(clean_messages, messages, strict=True)
+        )
+
+        def ids(v: Any) -> str | None:
+            return None if v is None or redacted else json.dumps(v)
+
+        self._exec(
+            "INSERT OR REPLACE INTO turns VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                session_id,
+                turn,
+                json.dumps(clean_messages),
+                clean,
+                output.finish_reason,
+                ids(output.prompt_token_ids),
+                ids(output.completion_token_ids),
+                ids(output.completion_logprobs),
+                output.prompt_tokens,
+                output.completion_tokens,
+                output.weight_version,
+                t_start,
+                t_end,
+                int(redacted),
+            ),
+        )
+
+    def write_call(
+        self,
+        session_id: str,
+        turn: int,
+        *,
+        call_id: str,
+        index: int,
+        name: str,
+        args: dict[str, Any],
+        status: str,
+        result: str,
+        t_start: float,
+        t_end: float,
+    ) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO tool_calls VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                session_id,
+                turn,
+                call_id,
+                index,
+                name,
+                self._redact(session_id, json.dumps(args)),
+                status,
+                self._redact(session_id, result),
+                t_start,
+                t_end,
+            ),
+        )
+
+    def write_edit(
+        self,
+        session_id: str,
+        seq: int,
+        *,
+        turn: int,
+        call_id: str,
+        path: str,
+        before: str | None,
+        after: str | None,
+        diff: str,
+    ) -> None:
+        r = self._redactors.get(session_id, Redactor())
+        self._exec(
+            "INSERT OR REPLACE INTO edits (session_id, seq, turn, call_id, path, before, after, diff)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (session_id, seq, turn, call_id, path, r(before), r(after), r(diff)),
+        )
+
+    def end_session(
+        self, session_id: str, *, status: str, answer: str, turns: int, tool_calls: int
+    ) -> None:
+        self._exec(
+            "UPDATE sessions SET ended=?, status=?, answer=?, turns=?, tool_calls=? WHERE id=?",
+            (time.time(), status, self._redact(session_id, answer), turns, tool_calls, session_id),
+        )
+        self._redactors.pop(session_id, None)
+
+    def set_status(self, session_id: str, status: str) -> None:
+        self._exec("UPDATE sessions SET status=? WHERE id=?", (status, session_id))
+
+    def set_meta(self, session_id: str, **meta: Any) -> None:
+        current = self.get(session_id) or {}
+        merged = {**(current.get("meta") or {}), **meta}
+        self._exec("UPDATE sessions SET meta=? WHERE id=?", (json.dumps(merged), session_id))
+
+    def record_decision(self, session_id: str, path: str, decision: str) -> int:
+        """The user's accept / reject / undo of a session's edits to `path` (all files if "*")."""
+        if decision not in ("accept", "reject", "undo"):
+            raise ValueError(f"decision must be accept, reject or undo, not {decision!r}")
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE edits SET decision=?, decided_at=? WHERE session_id=? AND (path=? OR ?='*')",
+                (decision, time.time(), session_id, path, path),
+            )
+            return cur.rowcount
+
+    # -- reading ---------------------------------------------------------------
+
+    def resolve(self, prefix: str) -> str:
+        """The full id of the one session whose id starts with `prefix`."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM sessions WHERE id LIKE ? ORDER BY started DESC LIMIT 2",
+                (prefix + "%",),
+            ).fetchall()
+        if not rows:
+            raise KeyError(f"no session {prefix!r} in {self.path}")
+        if len(rows) > 1 and rows[0]["id"] != prefix:
+            raise KeyError(f"session id {prefix!r} is ambiguous; give more characters")
+        return rows[0]["id"]
+
+    def list_sessions(self, limit: int = 50) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT s.id, s.started, s.ended, s.status, s.workspace, s.model, s.query, s.turns,"
+                " s.tool_calls, (SELECT COUNT(*) FROM edits e WHERE e.session_id = s.id) AS edits"
+                " FROM sessions s ORDER BY s.started DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [{"session_id": r["id"], **{k: r[k] for k in r if k != "id"}} for r in rows]
+
+    def get(self, session_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sessions WHERE id=?", (session_id,)).fetchone()
+        if row is None:
+            return None
+        out = dict(row)
+        out["session_id"] = out.pop("id")
+        out["sampling"] = json.loads(out["sampling"] or "{}")
+        out["meta"] = json.loads(out["meta"] or "{}")
+        return out
+
+    def export(self, session_id: str) -> dict[str, Any]:
+        """The whole trace as one JSON-ready dict (turns with token ids, calls, edits)."""
+        session = self.get(session_id)
+        if session is None:
+            raise KeyError(f"no session {session_id!r} in {self.path}")
+        with self._lock:
+            turns = self._db.execute(
+                "SELECT * FROM turns WHERE session_id=? ORDER BY turn", (session_id,)
+            ).fetchall()
+            calls = self._db.execute(
+                "SELECT * FROM tool_calls WHERE session_id=? ORDER BY turn, idx", (session_id,)
+            ).fetchall()
+            edits = self._db.execute(
+                "SELECT * FROM edits WHERE session_id=? ORDER BY seq", (session_id,)
+            ).fetchall()
+        session["turns"] = [
+            {
+                **{k: t[k] for k in t if k not in ("session_id",)},
+                "messages": json.loads(t["messages"] or "[]"),
+                "prompt_token_ids": _loads(t["prompt_token_ids"]),
+                "completion_token_ids": _loads(t["completion_token_ids"]),
+                "completion_logprobs": _loads(t["completion_logprobs"]),
+            }
+            for t in turns
+        ]
+        session["tool_calls"] = [
+            {
+                **{k: c[k] for k in c if k != "session_id"},
+                "args": json.loads(c["args"] or "{}"),
+            }
+            for c in calls
+        ]
+        session["edits"] = [{k: e[k] for k in e if k != "session_id"} for e in edits]
+        return session
+
+
+def _loads(v: str | None) -> Any:
+    return None if v is None else json.loads(v)

@@ -1,0 +1,199 @@
+"""`opencomposer ask`: one session in the terminal, as JSON lines or for a person."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.events import Event
+
+
+class JsonView:
+    def __call__(self, event: Event) -> None:
+        sys.stdout.write(json.dumps(event, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class HumanView:
+    """Streams the session for a person: the reply as it is written, one line per
+    tool call with its duration, edits as coloured diffs, and a spinner while the
+    model thinks."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.status: Any = None
+        self.streaming = False
+
+    def _spin(self, text: str) -> None:
+        self._stop_spin()
+        self.status = self.console.status(text, spinner="dots")
+        self.status.start()
+
+    def _stop_spin(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+    def _end_stream(self) -> None:
+        if self.streaming:
+            self.console.print()
+            self.streaming = False
+
+    def __call__(self, e: Event) -> None:
+        from rich.markup import escape
+        from rich.syntax import Syntax
+
+        match e["type"]:
+            case "session_start":
+                self.console.print(
+                    f"[bold]opencomposer[/] {e['model']} in {e['workspace']}  [dim]{e['session_id']}[/]"
+                )
+            case "model_start":
+                self._spin(f"thinking (turn {e['turn']})")
+            case "model_delta":
+                self._stop_spin()
+                self.console.print(escape(e["text"]), end="", style="cyan")
+                self.streaming = True
+            case "model_end":
+                self._end_stream()
+                self.console.print(
+                    f"[dim]  turn {e['turn']}: {e['prompt_tokens']} prompt + {e['completion_tokens']} completion tokens[/]"
+                )
+            case "tool_start":
+                args = " ".join(f"{k}={_short(v)}" for k, v in e["args"].items())
+                self.console.print(f"[yellow]→ {e['name']}[/] {escape(args)}")
+            case "tool_end":
+                mark = "[green]✓[/]" if e["status"] == "ok" else "[red]✗[/]"
+                self.console.print(f"{mark} {e['name']} [dim]{e['duration_s'] * 1000:.0f} ms[/]")
+            case "edit":
+                self.console.print(f"[magenta]edited {e['path']}[/]")
+                self.console.print(Syntax(e["diff"] or "(no change)", "diff", theme="ansi_dark"))
+            case "message":
+                pass
+            case "session_end":
+                self._stop_spin()
+                self._end_stream()
+                colour = "green" if e["status"] == "completed" else "red"
+                self.console.print(
+                    f"[{colour}]{e['status']}[/] after {e['turns']} turns, {e['tool_calls']} tool calls, "
+                    f"{e['duration_s']:.1f} s"
+                )
+                if e["trace"]:
+                    self.console.print(f"[dim]trace: {e['trace']}[/]")
+
+    def close(self) -> None:
+        self._stop_spin()
+
+    def approve(self, name: str, args: dict[str, Any]) -> str:
+        self._stop_spin()
+        what = args.get("command") if name == "run_terminal" else f"{name} {args.get('path', '')}"
+        self.console.print(f"[bold yellow]approve[/] {name}: {what}")
+        answer = input("  run? [y]es / [a]lways / [n]o: ").strip().lower()
+        return {"y": "run", "yes": "run", "a": "always", "always": "always"}.get(answer, "reject")
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    s = v if isinstance(v, str) else json.dumps(v)
+    s = s.replace("\n", "⏎")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def ask(
+    query: str,
+    *,
+    workspace: Path,
+    model: str,
+    as_json: bool,
+    approve: str,
+    max_turns: int = 25,
+    sandbox: str = "workspace-write",
+) -> int:
+    from opencomposer.agent.backends import make_model
+    from opencomposer.agent.session import Session, SessionConfig
+    from opencomposer.agent.traces import TraceStore
+    from opencomposer.tools.protocols import SandboxConfig
+    from opencomposer.tools.workspace import LocalWorkspace
+
+    root = Path(workspace).resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"workspace {str(root)!r} is not a directory")
+    if not query.strip():
+        raise ValueError("the request is empty")
+    view: JsonView | HumanView = JsonView() if as_json else HumanView()
+    interactive = not as_json and sys.stdin.isatty()
+
+    async def approver(name: str, args: dict[str, Any]) -> str:
+        assert isinstance(view, HumanView)
+        return await asyncio.to_thread(view.approve, name, args)
+
+    async def main() -> int:
+        m = make_model(model)
+        traces = TraceStore()
+        session = Session(
+            model=m,
+            workspace=LocalWorkspace(root),
+            config=SessionConfig(
+                approve=approve,  # type: ignore[arg-type]
+                max_turns=max_turns,
+                sandbox=SandboxConfig(mode=sandbox),  # type: ignore[arg-type]
+                emit_deltas=not as_json,
+            ),
+            on_event=view,
+            approver=approver if interactive else None,
+            traces=traces,
+            index_factory=_index_factory(root),
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, session.cancel)
+        loop.add_signal_handler(signal.SIGTERM, session.cancel)
+        try:
+            result = await session.run(query)
+        finally:
+            view.close()
+            await m.close()
+            traces.close()
+        if not as_json and result.answer:
+            from rich.markdown import Markdown
+
+            assert isinstance(view, HumanView)
+            view.console.print(Markdown(result.answer))
+        return 0 if result.status == "completed" else 1
+
+    return asyncio.run(main())
+
+
+def _index_factory(root: Path):  # type: ignore[no-untyped-def]
+    """Opens (and refreshes) the codebase index on the first codebase_search."""
+    cache: dict[str, Any] = {}
+    lock = asyncio.Lock()
+
+    async def factory() -> Any:
+        async with lock:
+            if "index" not in cache:
+                from opencomposer.index import CodebaseIndex
+
+                def build() -> Any:
+                    idx = CodebaseIndex.open(root)
+                    idx.refresh()
+                    return idx
+
+                cache["index"] = await asyncio.to_thread(build)
+            return cache["index"]
+
+    return factory
+
+
+if os.environ.get("OPENCOMPOSER_DEBUG"):
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG)
