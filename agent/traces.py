@@ -286,7 +286,9 @@ class TraceStore:
                 " FROM sessions s ORDER BY s.started DESC LIMIT ?",
                 (limit,),
             ).fetchall()
-        return [{"session_id": r["id"], **{k: r[k] for k in r if k != "id"}} for r in rows]
+        return [
+            {"session_id": r["id"], **{k: v for k, v in dict(r).items() if k != "id"}} for r in rows
+        ]
 
     def get(self, session_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -316,7 +318,7 @@ class TraceStore:
             ).fetchall()
         session["turns"] = [
             {
-                **{k: t[k] for k in t if k not in ("session_id",)},
+                **{k: v for k, v in dict(t).items() if k != "session_id"},
                 "messages": json.loads(t["messages"] or "[]"),
                 "prompt_token_ids": _loads(t["prompt_token_ids"]),
                 "completion_token_ids": _loads(t["completion_token_ids"]),
@@ -326,12 +328,12 @@ class TraceStore:
         ]
         session["tool_calls"] = [
             {
-                **{k: c[k] for k in c if k != "session_id"},
+                **{k: v for k, v in dict(c).items() if k != "session_id"},
                 "args": json.loads(c["args"] or "{}"),
             }
             for c in calls
         ]
-        session["edits"] = [{k: e[k] for k in e if k != "session_id"} for e in edits]
+        session["edits"] = [{k: v for k, v in dict(e).items() if k != "session_id"} for e in edits]
         return session
 
 

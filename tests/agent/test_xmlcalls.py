@@ -1,0 +1,120 @@
+"""The streaming XML tool-call parser: every malformed shape becomes an error call,
+never an exception, and chunking never changes what is parsed."""
+
+import pytest
+from opencomposer.agent.session import _BARE, _CHILDREN
+from opencomposer.agent.xmlcalls import StreamParser, parse_all
+
+
+def parse(text):
+    return parse_all(text, _CHILDREN, _BARE)
+
+
+def parse_chunked(text, size):
+    p = StreamParser(_CHILDREN, _BARE)
+    calls = []
+    for i in range(0, len(text), size):
+        calls += p.feed(text[i : i + size])
+    return calls + p.close()
+
+
+MESSAGE = """I'll look at both.
+<grep pattern="def retry" path="src/"/>
+<read_file path="tests/test_retry.py" start_line="1" end_line="80"/>
+<edit_file path="src/retry.py">
+<old>    if a < b && c > d:</old>
+<new>
+    delay = min(cap, base * 2 ** attempt)  # <b>raw</b> &amp; stays
+</new>
+</edit_file>
+done"""
+
+
+def test_calls_and_raw_children():
+    calls = parse(MESSAGE)
+    assert [c.name for c in calls] == ["grep", "read_file", "edit_file"]
+    assert all(c.error is None for c in calls)
+    assert calls[0].raw == {"pattern": "def retry", "path": "src/"}
+    assert calls[2].raw["old"] == "    if a < b && c > d:"
+    assert (
+        calls[2].raw["new"] == "    delay = min(cap, base * 2 ** attempt)  # <b>raw</b> &amp; stays"
+    )
+    assert [c.index for c in calls] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 50])
+def test_chunking_does_not_change_the_parse(size):
+    whole = [(c.name, c.raw, c.error) for c in parse(MESSAGE)]
+    assert [(c.name, c.raw, c.error) for c in parse_chunked(MESSAGE, size)] == whole
+
+
+def test_call_is_returned_when_its_closing_tag_arrives():
+    p = StreamParser(_CHILDREN, _BARE)
+    assert p.feed('<read_file path="a.py"') == []
+    got = p.feed("/> and then <grep pattern")
+    assert [c.name for c in got] == ["read_file"]
+    assert p.feed('="x"/>')[0].name == "grep"
+
+
+def test_bare_content_fills_the_single_child_parameter():
+    (call,) = parse("<run_terminal>echo a < b && ls</run_terminal>")
+    assert call.error is None and call.raw == {"command": "echo a < b && ls"}
+
+
+def test_attribute_entities_are_unescaped():
+    (call,) = parse('<grep pattern="a &lt; b &amp;&amp; &quot;c&quot;"/>')
+    assert call.raw["pattern"] == 'a < b && "c"'
+
+
+def test_unknown_tool_with_attributes_is_a_call():
+    (call,) = parse('<run_command cmd="ls"/>')
+    assert call.name == "run_command" and call.error is None  # rejected later by the spec lookup
+
+
+def test_prose_is_not_a_call():
+    assert parse("if a < b then <b>bold</b> and <file_path> or <div class='x'>") == []
+
+
+def test_stray_closing_tag():
+    (call,) = parse("text </edit_file> more")
+    assert "stray closing tag" in call.error
+
+
+def test_unclosed_element():
+    (call,) = parse('<edit_file path="a.py">\n<old>x</old>\n<new>y')
+    assert "unclosed element <edit_file>" in call.error
+
+
+def test_message_ending_inside_a_tag():
+    (call,) = parse('<read_file path="a.p')
+    assert "unclosed" in call.error
+
+
+def test_malformed_attribute_then_next_call_still_parses():
+    calls = parse('<read_file path=a.py/>\n<glob pattern="*.py"/>')
+    assert "malformed attribute" in calls[0].error
+    assert calls[1].name == "glob" and calls[1].error is None
+
+
+def test_calls_in_code_fences_are_reported_not_run():
+    calls = parse('```xml\n<read_file path="a.py"/>\n```\n<glob pattern="*"/>')
+    assert "code fence" in calls[0].error
+    assert calls[1].error is None
+
+
+def test_child_given_twice():
+    (call,) = parse('<edit_file path="a"><old>x</old><old>y</old><new>z</new></edit_file>')
+    assert "given twice" in call.error
+
+
+def test_unexpected_text_in_a_call_without_bare_slot():
+    (call,) = parse('<edit_file path="a">just text</edit_file>')
+    assert "unexpected text" in call.error
+
+
+def test_huge_message_is_linear_enough():
+    body = "x" * 1_000_000
+    (call,) = parse_chunked(
+        f'<write_file path="big.txt"><content>{body}</content></write_file>', 4096
+    )
+    assert call.raw["content"] == body
