@@ -53,6 +53,8 @@ class HumanView:
         from rich.markup import escape
         from rich.syntax import Syntax
 
+        if e["type"] in ("tool_start", "tool_end", "edit"):
+            self._end_stream()
         match e["type"]:
             case "session_start":
                 self.console.print(
