@@ -1,0 +1,889 @@
+"""`opencomposer serve`: the language server that hosts the agent (docs/lsp.md).
+
+One `ComposerServer` per editor connection (pygls `LanguageServer`), all of them
+sharing one `Shared` per process: models, the trace store, the codebase index of
+each workspace and the edits of finished sessions (so a second client on the
+same workspace over TCP can undo what the first one asked for).
+
+What it implements, by LSP method:
+
+- `initialize` (fast: nothing heavy is imported before the first command),
+  `textDocument/didOpen|didChange|didClose|didSave` (full sync; open buffers are
+  the overlay the agent reads, didChange/didSave feed the index),
+  `textDocument/codeAction` ("Ask opencomposer about this selection").
+- `workspace/executeCommand`: `opencomposer.ask|cancel|search|decide|undo|
+  sessions|submit` (arguments checked in `lsp_commands`).
+- Server to client: `opencomposer/event` for every session event,
+  `window/workDoneProgress/create` + `$/progress`, `workspace/applyEdit` for
+  every change (`workspace_overlay`), `window/showMessageRequest` to approve a
+  command, `window/showDocument` to reveal edits.
+- `$/cancelRequest` on an ask request, `opencomposer.cancel` and a cancelled
+  progress stop the session; a client that goes away stops its sessions and their
+  traces end as `disconnected`.
+
+Run it:
+
+    python -m opencomposer.server.lsp --stdio [--model scripted:turns.json]
+    python -m opencomposer.server.lsp --tcp 127.0.0.1:2087
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lsprotocol import types as lsp
+from opencomposer.server import lsp_commands as cmds
+from opencomposer.server.workspace_overlay import EditorLink, EditorWorkspace
+from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcRequestCancelled
+from pygls.lsp.server import LanguageServer
+from pygls.protocol import LanguageServerProtocol
+from pygls.uris import to_fs_path
+
+if TYPE_CHECKING:
+    from opencomposer.agent.protocols import Model
+    from opencomposer.agent.session import Session
+    from opencomposer.agent.traces import TraceStore
+    from opencomposer.tools.protocols import Edit
+
+log = logging.getLogger("opencomposer.server")
+
+VERSION = "0.1.0"
+EVENT = "opencomposer/event"
+ASK_SELECTION = "Ask opencomposer about this selection"
+ACTION_RUN, ACTION_ALWAYS, ACTION_REJECT = "Run", "Always for this command", "Reject"
+SERVER_ERROR = -32000  # a command that could not be carried out (unknown session, model failure…)
+INDEX_MAX_BUFFER = 8 * 1024 * 1024  # larger buffers are not fed to the index
+CANCEL_WAIT_S = 5.0
+FILE_TOOLS = frozenset({"edit_file", "write_file", "delete_file"})
+
+
+def server_error(message: str) -> JsonRpcException:
+    return JsonRpcException(message=message, code=SERVER_ERROR)
+
+
+# -- process-wide state ----------------------------------------------------------
+
+
+class IndexHandle:
+    """The codebase index of one workspace, opened on first use in a worker thread.
+
+    Buffer updates before that are only remembered (latest text per path) and
+    replayed when the index opens, so typing never pays for an index nobody asked
+    for. All index work runs on one thread: the index need not be thread-safe.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oc-index")
+        self._index: Any = None
+        self._opening: asyncio.Future[Any] | None = None
+        self._pending: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._flush_queued = False
+
+    async def get(self) -> Any:
+        if self._index is not None:
+            return self._index
+        if self._opening is None:
+            loop = asyncio.get_running_loop()
+            self._opening = loop.run_in_executor(self._pool, self._open)
+        try:
+            return await asyncio.shield(self._opening)
+        except Exception:
+            self._opening = None
+            raise
+
+    def _open(self) -> Any:
+        from opencomposer.index import CodebaseIndex
+
+        index = CodebaseIndex.open(self.root)
+        index.refresh()
+        self._index = index
+        self._flush()
+        return index
+
+    def update_buffer(self, key: str, text: str) -> None:
+        with self._lock:
+            self._pending[key] = text
+            if self._index is None or self._flush_queued:
+                return
+            self._flush_queued = True
+        self._pool.submit(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._flush_queued = False
+        for key, text in pending.items():
+            try:
+                self._index.update_buffer(key, text)
+            except Exception:
+                log.exception("index update of %s failed", key)
+
+    async def search(self, query: str, k: int, path: str | None) -> list[Any]:
+        index = await self.get()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: index.search(query, k=k, path=path))
+
+
+@dataclass(kw_only=True)
+class Record:
+    """A session this process ran: enough to undo or reject its edits."""
+
+    session_id: str
+    root: Path
+    edits: list[Edit] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class Running:
+    session: Session
+    task: asyncio.Task[Any]
+    owner: ComposerServer
+    msg_id: Any = None
+    progress: str | None = None
+    by_request: bool = False  # cancelled through $/cancelRequest
+
+
+class Shared:
+    """Everything the connections of one process share."""
+
+    def __init__(self, *, model: str) -> None:
+        self.default_model = model
+        self._models: dict[str, Model] = {}
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._traces: TraceStore | None = None
+        self.indexes: dict[Path, IndexHandle] = {}
+        self.records: dict[str, Record] = {}
+        self.running: dict[str, Running] = {}
+
+    async def model(self, spec: str) -> Model:
+        if spec in self._models:
+            return self._models[spec]
+        lock = self._model_locks.setdefault(spec, asyncio.Lock())
+        async with lock:
+            if spec not in self._models:
+                from opencomposer.agent.backends import make_model
+
+                try:
+                    self._models[spec] = await asyncio.to_thread(make_model, spec)
+                except ValueError as e:
+                    raise server_error(str(e)) from None
+                except Exception as e:
+                    raise server_error(f"could not load model {spec}: {e}") from None
+        return self._models[spec]
+
+    def traces(self) -> TraceStore:
+        if self._traces is None:
+            from opencomposer.agent.traces import TraceStore
+
+            self._traces = TraceStore()
+        return self._traces
+
+    def index(self, root: Path) -> IndexHandle:
+        if root not in self.indexes:
+            self.indexes[root] = IndexHandle(root)
+        return self.indexes[root]
+
+
+def _prewarm() -> None:
+    """Import the agent while the editor is still busy starting up (never blocks)."""
+    try:
+        import opencomposer.agent.backends  # noqa: F401
+        import opencomposer.agent.session  # noqa: F401
+        import opencomposer.agent.traces  # noqa: F401
+    except Exception:
+        log.exception("prewarm failed")
+
+
+# -- the per-connection server ---------------------------------------------------
+
+
+class ComposerProtocol(LanguageServerProtocol):
+    """pygls' protocol, with `$/cancelRequest` reaching a running session and `exit`
+    ending only this connection (one TCP client must not stop the others)."""
+
+    _server: ComposerServer
+
+    def _handle_cancel_notification(self, msg_id: Any) -> None:
+        if not self._server.cancel_request(msg_id):
+            super()._handle_cancel_notification(msg_id)
+
+    def lsp_exit(self, *args: Any) -> None:  # type: ignore[override]
+        self._server.exit_requested = True
+
+
+ComposerProtocol.lsp_exit.method_name = lsp.EXIT  # type: ignore[attr-defined]
+
+
+class ComposerServer(LanguageServer):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(
+            name="opencomposer",
+            version=VERSION,
+            text_document_sync_kind=lsp.TextDocumentSyncKind.Full,
+            protocol_cls=ComposerProtocol,
+        )
+        self.shared = shared
+        self.root: Path | None = None
+        self.buffers: dict[str, str] = {}
+        self.exit_requested = False
+        self.closed = False
+        self.always: set[str] = set()
+        self.model_spec = shared.default_model
+        self._outgoing: set[concurrent.futures.Future[Any]] = set()
+        self._register()
+
+    # -- registration ------------------------------------------------------------
+
+    def _register(self) -> None:
+        def f(name: str, options: Any = None) -> Any:
+            return lambda method: self.feature(name, options)(_function(method))
+
+        f(lsp.INITIALIZE)(self.on_initialize)
+        f(lsp.INITIALIZED)(self.on_initialized)
+        f(lsp.SHUTDOWN)(self.on_shutdown)
+        f(lsp.TEXT_DOCUMENT_DID_OPEN)(self.on_open)
+        f(lsp.TEXT_DOCUMENT_DID_CHANGE)(self.on_change)
+        f(lsp.TEXT_DOCUMENT_DID_CLOSE)(self.on_close)
+        f(lsp.TEXT_DOCUMENT_DID_SAVE, lsp.SaveOptions(include_text=True))(self.on_save)
+        f(
+            lsp.TEXT_DOCUMENT_CODE_ACTION,
+            lsp.CodeActionOptions(code_action_kinds=[lsp.CodeActionKind.Refactor]),
+        )(self.on_code_action)
+        f(lsp.WINDOW_WORK_DONE_PROGRESS_CANCEL)(self.on_progress_cancel)
+        handlers = {
+            cmds.ASK: self.cmd_ask,
+            cmds.CANCEL: self.cmd_cancel,
+            cmds.SEARCH: self.cmd_search,
+            cmds.DECIDE: self.cmd_decide,
+            cmds.UNDO: self.cmd_undo,
+            cmds.SESSIONS: self.cmd_sessions,
+            cmds.SUBMIT: self.cmd_submit,
+        }
+        for name, handler in handlers.items():
+            self.command(name)(_command(name, handler))
+
+    # -- transport hooks (lsp_transport.Connection) ----------------------------
+
+    def stop_requested(self) -> bool:
+        return self.exit_requested
+
+    async def disconnected(self) -> None:
+        """The editor went away: stop its sessions, fail what waits on it, mark traces."""
+        self.closed = True
+        for fut in list(self._outgoing):
+            if not fut.done():
+                fut.set_exception(ConnectionError("the editor disconnected"))
+        mine = [r for r in self.shared.running.values() if r.owner is self]
+        for r in mine:
+            r.session.cancel(reason="disconnected")
+        if mine:
+            await asyncio.wait([r.task for r in mine], timeout=CANCEL_WAIT_S)
+        for r in mine:
+            if r.session.traces is not None:
+                try:
+                    r.session.traces.set_status(r.session.id, "disconnected")
+                except Exception:
+                    log.exception("could not mark %s disconnected", r.session.id)
+
+    def cancel_request(self, msg_id: Any) -> bool:
+        for r in self.shared.running.values():
+            if r.owner is self and r.msg_id == msg_id:
+                r.by_request = True
+                r.session.cancel(reason="cancelled")
+                return True
+        return False
+
+    async def client_request(self, method: str, params: Any) -> Any:
+        """A request to the editor that fails (ConnectionError) if it goes away."""
+        if self.closed:
+            raise ConnectionError("the editor disconnected")
+        fut = self.protocol.send_request(method, params)
+        self._outgoing.add(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        finally:
+            self._outgoing.discard(fut)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def on_initialize(self, params: lsp.InitializeParams) -> None:
+        uri = params.root_uri
+        if uri is None and params.workspace_folders:
+            uri = params.workspace_folders[0].uri
+        if uri is None and params.root_path:
+            self.root = Path(params.root_path).resolve()
+        elif uri is not None:
+            path = to_fs_path(uri)
+            self.root = Path(path).resolve() if path else None
+        options = params.initialization_options
+        if isinstance(options, dict) and isinstance(options.get("model"), str) and options["model"]:
+            self.model_spec = options["model"]
+
+    def on_initialized(self, params: lsp.InitializedParams) -> None:
+        threading.Thread(target=_prewarm, name="oc-prewarm", daemon=True).start()
+
+    async def on_shutdown(self, *args: Any) -> None:
+        mine = [r for r in self.shared.running.values() if r.owner is self]
+        for r in mine:
+            r.session.cancel(reason="cancelled")
+        if mine:
+            await asyncio.wait([r.task for r in mine], timeout=CANCEL_WAIT_S)
+
+    # -- documents ---------------------------------------------------------------
+
+    def _key(self, uri: str) -> str | None:
+        """Workspace-relative path of a file URI inside the root, else None."""
+        if self.root is None or not uri.startswith("file:"):
+            return None
+        path = to_fs_path(uri)
+        if path is None:
+            return None
+        try:
+            return Path(path).resolve().relative_to(self.root).as_posix()
+        except ValueError:
+            return None
+
+    def _sync(self, uri: str, *, feed_index: bool) -> None:
+        key = self._key(uri)
+        if key is None:
+            return
+        text = self.workspace.get_text_document(uri).source
+        self.buffers[key] = text
+        if feed_index and self.root is not None and len(text) <= INDEX_MAX_BUFFER:
+            self.shared.index(self.root).update_buffer(key, text)
+
+    def on_open(self, params: lsp.DidOpenTextDocumentParams) -> None:
+        self._sync(params.text_document.uri, feed_index=False)
+
+    def on_change(self, params: lsp.DidChangeTextDocumentParams) -> None:
+        self._sync(params.text_document.uri, feed_index=True)
+
+    def on_save(self, params: lsp.DidSaveTextDocumentParams) -> None:
+        self._sync(params.text_document.uri, feed_index=True)
+
+    def on_close(self, params: lsp.DidCloseTextDocumentParams) -> None:
+        key = self._key(params.text_document.uri)
+        if key is not None:
+            self.buffers.pop(key, None)
+
+    def on_code_action(self, params: lsp.CodeActionParams) -> list[lsp.CodeAction] | None:
+        r = params.range
+        if (r.start.line, r.start.character) == (r.end.line, r.end.character):
+            return None
+        arg = {
+            "query": "Explain the selected code and suggest improvements.",
+            "uri": params.text_document.uri,
+            "selection": {
+                "start": {"line": r.start.line, "character": r.start.character},
+                "end": {"line": r.end.line, "character": r.end.character},
+            },
+            "prompt": True,  # clients that can should let the user edit the query
+        }
+        command = lsp.Command(title=ASK_SELECTION, command=cmds.ASK, arguments=[arg])
+        return [
+            lsp.CodeAction(title=ASK_SELECTION, kind=lsp.CodeActionKind.Refactor, command=command)
+        ]
+
+    def on_progress_cancel(self, params: lsp.WorkDoneProgressCancelParams) -> None:
+        for r in self.shared.running.values():
+            if r.owner is self and r.progress == params.token:
+                r.session.cancel(reason="cancelled")
+
+    # -- the editor link ---------------------------------------------------------
+
+    def _require_root(self) -> Path:
+        if self.root is None or not self.root.is_dir():
+            raise server_error("no workspace: initialize with a rootUri or workspace folder")
+        return self.root
+
+    def editor_link(self) -> EditorLink:
+        caps = self.client_capabilities
+        ws_caps = caps.workspace.workspace_edit if caps.workspace else None
+        resource_ops = (
+            frozenset(str(op.value) for op in (ws_caps.resource_operations or []))
+            if ws_caps
+            else frozenset()
+        )
+        encoding = self.workspace.position_encoding or lsp.PositionEncodingKind.Utf16
+        return EditorLink(
+            apply_edit=self._apply_edit,
+            position_encoding=str(getattr(encoding, "value", encoding)),
+            document_changes=bool(ws_caps and ws_caps.document_changes),
+            resource_operations=resource_ops,
+            on_changed=self._changed,
+        )
+
+    async def _apply_edit(self, edit: lsp.WorkspaceEdit, label: str) -> tuple[bool, str | None]:
+        params = lsp.ApplyWorkspaceEditParams(edit=edit, label=label)
+        result = await self.client_request(lsp.WORKSPACE_APPLY_EDIT, params)
+        if result is None:
+            return False, "no answer"
+        return bool(result.applied), result.failure_reason
+
+    def _changed(self, key: str) -> None:
+        if self.root is None:
+            return
+        text = self.buffers.get(key)
+        if text is None:
+            try:
+                text = (self.root / key).read_text("utf-8")
+            except (OSError, UnicodeDecodeError):
+                return
+        if len(text) <= INDEX_MAX_BUFFER:
+            self.shared.index(self.root).update_buffer(key, text)
+
+    def _context(self, args: cmds.AskArgs) -> str | None:
+        """The editor state the user asked from: current file, selection, open files."""
+        parts: list[str] = []
+        if args.uri:
+            key = self._key(args.uri)
+            if key is not None:
+                parts.append(f"Current file: {key}")
+                if args.selection is not None:
+                    s = args.selection
+                    try:
+                        lines = self._text(key).splitlines()
+                        chosen = "\n".join(lines[s.start_line : s.end_line + 1])
+                    except Exception:
+                        chosen = ""
+                    parts.append(f"Selection: lines {s.start_line + 1}-{s.end_line + 1} of {key}")
+                    if chosen:
+                        parts.append("```\n" + chosen[:8000] + "\n```")
+        opened = [k for k in (self._key(u) for u in args.open_files) if k is not None]
+        if opened:
+            parts.append("Open files: " + ", ".join(opened[:50]))
+        return "\n".join(parts) or None
+
+    def _text(self, key: str) -> str:
+        if key in self.buffers:
+            return self.buffers[key]
+        assert self.root is not None
+        return (self.root / key).read_text("utf-8")
+
+    # -- sessions --------------------------------------------------------------
+
+    def _forward(self, session_id: str, event: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        self.protocol.notify(EVENT, {**event, "session_id": session_id})
+        running = self.shared.running.get(session_id)
+        if running is not None and running.progress is not None:
+            message = _progress_message(event)
+            if message:
+                self.work_done_progress.report(
+                    running.progress, lsp.WorkDoneProgressReport(message=message)
+                )
+
+    async def _approve(self, session_id: str, policy: str, name: str, args: dict[str, Any]) -> str:
+        """The session's approver. File changes under the "safe" policy run without a
+        question: they land as editor edits that the user accepts, rejects or undoes."""
+        if policy == "safe" and name in FILE_TOOLS:
+            return "run"
+        command = str(args.get("command", "")).strip()
+        key = f"{name}:{command}"
+        if key in self.always:
+            return "run"
+        what = f"run `{command}`" if name == "run_terminal" else f"call {name} {args}"
+        params = lsp.ShowMessageRequestParams(
+            type=lsp.MessageType.Warning,
+            message=f"opencomposer ({session_id}) wants to {what}",
+            actions=[
+                lsp.MessageActionItem(title=t) for t in (ACTION_RUN, ACTION_ALWAYS, ACTION_REJECT)
+            ],
+        )
+        try:
+            choice = await self.client_request(lsp.WINDOW_SHOW_MESSAGE_REQUEST, params)
+        except (ConnectionError, JsonRpcException):
+            return "reject"
+        title = getattr(choice, "title", None) if choice is not None else None
+        if title == ACTION_ALWAYS:
+            self.always.add(key)
+            return "always"
+        return "run" if title == ACTION_RUN else "reject"
+
+    async def _reveal(self, root: Path, path: str) -> None:
+        params = lsp.ShowDocumentParams(uri=(root / path).as_uri(), take_focus=False)
+        try:
+            await self.client_request(lsp.WINDOW_SHOW_DOCUMENT, params)
+        except (ConnectionError, JsonRpcException):
+            pass
+
+    async def _progress_begin(self, running: Running, title: str) -> None:
+        caps = self.client_capabilities.window
+        if not (caps and caps.work_done_progress):
+            return
+        token = f"opencomposer/{running.session.id}"
+        try:
+            await self.client_request(
+                lsp.WINDOW_WORK_DONE_PROGRESS_CREATE, lsp.WorkDoneProgressCreateParams(token=token)
+            )
+        except (ConnectionError, JsonRpcException):
+            return
+        if running.task.done():
+            return
+        self.work_done_progress.begin(
+            token,
+            lsp.WorkDoneProgressBegin(title="opencomposer", message=title[:80], cancellable=True),
+        )
+        running.progress = token
+
+    async def cmd_ask(self, args: cmds.AskArgs) -> dict[str, Any]:
+        from opencomposer.agent.session import Session, SessionConfig
+
+        root = self._require_root()
+        model = await self.shared.model(args.model or self.model_spec)
+        session_id = uuid.uuid4().hex[:12]
+        workspace = EditorWorkspace(root, self.buffers, self.editor_link())
+        session = Session(
+            model=model,
+            workspace=workspace,
+            config=SessionConfig(approve=args.approve),  # type: ignore[arg-type]
+            on_event=lambda event: self._on_event(session_id, event, root, args.reveal),
+            approver=lambda name, a: self._approve(session_id, args.approve, name, a),  # type: ignore[arg-type,return-value]
+            traces=self.shared.traces(),
+            index_factory=self.shared.index(root).get,
+            session_id=session_id,
+        )
+        task = asyncio.ensure_future(session.run(args.query, context=self._context(args)))
+        running = Running(session=session, task=task, owner=self, msg_id=self.protocol.msg_id)
+        self.shared.running[session_id] = running
+        progress = asyncio.ensure_future(self._progress_begin(running, args.query))
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            session.cancel(reason="disconnected" if self.closed else "cancelled")
+            await asyncio.wait([task], timeout=CANCEL_WAIT_S)
+            raise
+        finally:
+            self.shared.running.pop(session_id, None)
+            await progress
+            if running.progress is not None and not self.closed:
+                self.work_done_progress.end(
+                    running.progress, lsp.WorkDoneProgressEnd(message=_ended(task))
+                )
+        self.shared.records[session_id] = Record(
+            session_id=session_id, root=root, edits=list(result.edits)
+        )
+        if running.by_request:
+            data = {"session_id": session_id, "status": result.status}
+            raise JsonRpcRequestCancelled(message=f"session {session_id} cancelled", data=data)
+        body: dict[str, Any] = {
+            "session_id": session_id,
+            "status": result.status,
+            "answer": result.answer,
+        }
+        if result.error:
+            body["error"] = result.error
+        body["trace"] = result.trace
+        body["edits"] = [e.path for e in result.edits]
+        return body
+
+    def _on_event(self, session_id: str, event: dict[str, Any], root: Path, reveal: bool) -> None:
+        self._forward(session_id, event)
+        if reveal and event.get("type") == "edit" and not self.closed:
+            asyncio.ensure_future(self._reveal(root, event["path"]))
+
+    def cmd_cancel(self, args: cmds.CancelArgs) -> dict[str, Any]:
+        chosen = [
+            r
+            for sid, r in self.shared.running.items()
+            if (sid == args.session_id if args.session_id else r.owner is self)
+        ]
+        if args.session_id and not chosen:
+            raise server_error(f"no running session {args.session_id}")
+        for r in chosen:
+            r.session.cancel(reason="cancelled")
+        return {"cancelled": [r.session.id for r in chosen]}
+
+    async def cmd_search(self, args: cmds.SearchArgs) -> list[dict[str, Any]]:
+        root = self._require_root()
+        try:
+            hits = await self.shared.index(root).search(args.query, args.k, args.path)
+        except JsonRpcException:
+            raise
+        except Exception as e:
+            raise server_error(f"search failed: {e}") from None
+        return [
+            {
+                "path": h.path,
+                "start_line": h.start_line,
+                "end_line": h.end_line,
+                "score": float(h.score),
+                "text": h.text,
+            }
+            for h in hits
+        ]
+
+    def _record(self, session_id: str) -> Record:
+        record = self.shared.records.get(session_id)
+        if record is not None:
+            return record
+        if session_id in self.shared.running:
+            raise server_error(f"session {session_id} is still running; cancel it first")
+        return self._record_from_trace(session_id)
+
+    def _record_from_trace(self, session_id: str) -> Record:
+        """A session of an earlier server process: its edits as the trace kept them."""
+        from opencomposer.tools.protocols import Edit
+
+        store = self.shared.traces()
+        try:
+            trace = store.export(store.resolve(session_id))
+        except KeyError as e:
+            raise server_error(str(e.args[0] if e.args else e)) from None
+        edits = [
+            Edit(path=e["path"], before=e["before"], after=e["after"], diff=e["diff"] or "")
+            for e in trace["edits"]
+        ]
+        record = Record(session_id=trace["session_id"], root=Path(trace["workspace"]), edits=edits)
+        record.from_trace = True  # type: ignore[attr-defined]
+        return record
+
+    async def _revert(
+        self, record: Record, paths: list[str] | None = None
+    ) -> tuple[list[str], list[dict[str, str]]]:
+        """Put each file back as it was before the session's first edit to it, through
+        the editor. Newest-touched file first. From a trace (another process), only
+        files still exactly as the session left them are reverted."""
+        from opencomposer.tools.protocols import ToolError
+
+        if record.root != self._require_root():
+            raise server_error(
+                f"session {record.session_id} ran in {record.root}, not in this workspace"
+            )
+        first: dict[str, Edit] = {}
+        last: dict[str, Edit] = {}
+        for e in record.edits:
+            first.setdefault(e.path, e)
+            last[e.path] = e
+        order = [p for p in reversed(list(last)) if paths is None or p in paths]
+        workspace = EditorWorkspace(record.root, self.buffers, self.editor_link())
+        reverted, failed = [], []
+        for path in order:
+            before = first[path].before
+            try:
+                if getattr(record, "from_trace", False):
+                    now = workspace.read_text(path) if workspace.exists(path) else None
+                    if now != last[path].after:
+                        failed.append(
+                            {"path": path, "error": "changed since the session; not reverted"}
+                        )
+                        continue
+                if before is None:
+                    if workspace.exists(path):
+                        await workspace.delete(path)
+                else:
+                    await workspace.write_text(path, before)
+                reverted.append(path)
+            except ToolError as e:
+                failed.append({"path": path, "error": str(e)})
+        return reverted, failed
+
+    async def cmd_decide(self, args: cmds.DecideArgs) -> dict[str, Any]:
+        record = self._record(args.session_id)
+        if not any(e.path == args.path for e in record.edits):
+            raise server_error(f"session {args.session_id} did not edit {args.path}")
+        reverted = False
+        if args.decision == "reject":
+            done, failed = await self._revert(record, [args.path])
+            if failed:
+                raise server_error(f"could not revert {args.path}: {failed[0]['error']}")
+            reverted = bool(done)
+        self._decide(record.session_id, args.path, args.decision)
+        return {"ok": True, "reverted": reverted}
+
+    async def cmd_undo(self, args: cmds.UndoArgs) -> dict[str, Any]:
+        record = self._record(args.session_id)
+        reverted, failed = await self._revert(record)
+        for path in reverted:
+            self._decide(record.session_id, path, "undo")
+        body: dict[str, Any] = {"reverted": reverted}
+        if failed:
+            body["failed"] = failed
+        return body
+
+    def _decide(self, session_id: str, path: str, decision: str) -> None:
+        try:
+            self.shared.traces().record_decision(session_id, path, decision)
+        except Exception as e:
+            raise server_error(f"could not record the decision: {e}") from None
+
+    def cmd_sessions(self, args: cmds.SessionsArgs) -> list[dict[str, Any]]:
+        return self.shared.traces().list_sessions(args.limit)
+
+    async def cmd_submit(self, args: cmds.SubmitArgs) -> dict[str, Any]:
+        try:
+            from opencomposer.training.tasks import task_from_trace
+        except ImportError:
+            raise server_error(
+                "opencomposer.submit needs opencomposer.training.tasks.task_from_trace, which this installation lacks"
+            ) from None
+        from opencomposer.agent.traces import home
+
+        store = self.shared.traces()
+        try:
+            session_id = store.resolve(args.session_id)
+        except KeyError as e:
+            raise server_error(str(e.args[0] if e.args else e)) from None
+        out = Path(args.out).expanduser() if args.out else home() / "tasks" / session_id
+        try:
+            task_dir = await asyncio.to_thread(
+                task_from_trace, session_id, out=out, verify=args.verify, store=store
+            )
+        except Exception as e:
+            raise server_error(f"could not submit {session_id}: {e}") from None
+        return {"task_dir": str(task_dir)}
+
+
+def _function(method: Any) -> Any:
+    """A plain function calling `method` (pygls tags handlers with attributes, which
+    bound methods cannot carry)."""
+    if asyncio.iscoroutinefunction(method):
+
+        async def call_async(*args: Any) -> Any:
+            return await method(*args)
+
+        return call_async
+
+    def call(*args: Any) -> Any:
+        return method(*args)
+
+    return call
+
+
+def _command(name: str, handler: Any) -> Any:
+    """Wrap a typed command handler: check the arguments first (-32602 on misfit)."""
+
+    if asyncio.iscoroutinefunction(handler):
+
+        async def run_async(*arguments: Any) -> Any:
+            return await handler(_parse(name, arguments))
+
+        return run_async
+
+    def run(*arguments: Any) -> Any:
+        return handler(_parse(name, arguments))
+
+    return run
+
+
+def _parse(name: str, arguments: tuple[Any, ...]) -> Any:
+    try:
+        return cmds.parse(name, list(arguments))
+    except cmds.ArgError as e:
+        raise JsonRpcInvalidParams(message=str(e)) from None
+
+
+def _progress_message(event: dict[str, Any]) -> str | None:
+    kind = event.get("type")
+    if kind == "model_start":
+        return f"thinking (turn {event['turn']})"
+    if kind == "tool_start":
+        args = event.get("args") or {}
+        detail = (
+            args.get("path")
+            or args.get("pattern")
+            or args.get("query")
+            or args.get("command")
+            or ""
+        )
+        return f"{event['name']} {str(detail)[:60]}".strip()
+    if kind == "edit":
+        return f"edited {event['path']}"
+    return None
+
+
+def _ended(task: asyncio.Task[Any]) -> str:
+    if task.cancelled() or task.exception() is not None:
+        return "stopped"
+    return task.result().status
+
+
+# -- entry points ----------------------------------------------------------------
+
+
+def serve(*, stdio: bool = True, tcp: tuple[str, int] | None = None, model: str = "smollm2") -> int:
+    """Run the language server until the editor exits (stdio) or forever (TCP)."""
+    from opencomposer.server import lsp_transport
+
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("OPENCOMPOSER_DEBUG") else logging.WARNING,
+        stream=sys.stderr,
+        format="opencomposer serve: %(levelname)s %(message)s",
+    )
+    for noisy in ("pygls", "pygls.protocol", "pygls.feature_manager"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    shared = Shared(model=model)
+    connections: list[ComposerServer] = []
+
+    def make() -> ComposerServer:
+        server = ComposerServer(shared)
+        connections.append(server)
+        return server
+
+    if tcp is not None:
+
+        def listening(host: str, port: int) -> None:
+            print(f"opencomposer serve: listening on {host}:{port}", file=sys.stderr, flush=True)
+
+        try:
+            asyncio.run(lsp_transport.serve_tcp(make, tcp[0], tcp[1], listening))
+        except KeyboardInterrupt:
+            return 0
+        except OSError as e:
+            print(
+                f"opencomposer serve: cannot listen on {tcp[0]}:{tcp[1]}: {e.strerror or e}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    started = time.monotonic()
+    try:
+        asyncio.run(lsp_transport.serve_stdio(make))
+    except KeyboardInterrupt:
+        return 0
+    log.debug("served for %.1f s", time.monotonic() - started)
+    server = connections[0] if connections else None
+    if server is not None and server.exit_requested and not server.protocol._shutdown:
+        return 1  # `exit` without `shutdown`, as the LSP specification asks
+    return 0
+
+
+def _parse_tcp(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m opencomposer.server.lsp", description="opencomposer language server"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stdio", action="store_true", help="talk LSP over stdin/stdout (default)")
+    mode.add_argument(
+        "--tcp", type=_parse_tcp, metavar="HOST:PORT", help="listen for editors on a TCP port"
+    )
+    parser.add_argument(
+        "--model", default=os.environ.get("OPENCOMPOSER_MODEL", "smollm2"), help="model spec"
+    )
+    ns = parser.parse_args(argv)
+    return serve(stdio=ns.tcp is None, tcp=ns.tcp, model=ns.model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
