@@ -190,3 +190,18 @@ async def test_same_path_calls_keep_message_order(repo):
     result, _ = await run(scripted(msg, "ok"), repo)
     outs = [c.result.output for c in result.turns[0].calls]
     assert "a * b" in outs[1] and "a + b" in outs[3]
+
+
+async def test_a_megabyte_of_output_reaches_the_model_capped(repo):
+    (repo / "big.txt").write_text(("y" * 99 + "\n") * 10_000)
+    cmd = "<run_terminal>head -c 1000000 /dev/zero | tr '\\0' a</run_terminal>"
+    result, _ = await run(scripted(f'<read_file path="big.txt"/>\n{cmd}', "ok"), repo)
+    assert result.status == "completed"
+    for call in result.turns[0].calls:
+        assert len(call.result.output) <= SessionConfig().output_limit + 200
+    assert "aaaa" in result.turns[0].calls[1].result.output
+
+
+async def test_a_megabyte_reply_without_calls_is_the_answer(repo):
+    result, _ = await run(scripted("z" * 1_000_000), repo)
+    assert result.status == "completed" and len(result.answer) == 1_000_000
