@@ -1,0 +1,804 @@
+"""The environment server: tasks run as episodes in fresh sandboxed workspaces, on Ray.
+
+Where things run (the design decision this module makes):
+
+- **Ray actors (`EnvActor`) own the workspaces.** Per task an actor unpacks
+  `repo.tar` once, safely, into a *template* and runs the task's `setup` there in
+  the sandbox; per episode it copies the template into a fresh workspace
+  (`cp -a --reflink=auto`: copy-on-write on btrfs/xfs, a plain copy elsewhere,
+  ~40 ms for 10 MB) on a size-limited tmpfs of its own where the process may
+  mount one (root), so a command that fills the disk fills only its workspace.
+  Warm pools keep `pool_size` ready copies per task. At the end the actor runs the
+  task's `verify` (and graded checks) in a clean sandbox — a fresh bubblewrap
+  process, protected files restored from the template — and deletes the
+  workspace. Setup, verify and copies are the heavy parts; they run in the actors,
+  off the caller's event loop, in parallel.
+- **The session loop and the model run in the caller.** The production `Session`
+  drives the model the caller gives (the RL loop shares one vLLM engine across
+  episodes) and runs the tools itself against a `LocalWorkspace` on the leased
+  folder: the same tool code, with `run_terminal` in the agent core's bubblewrap
+  sandbox. Actors are therefore pinned to the caller's node (node affinity), even
+  when `address=` joins a cluster; scale out with one caller per node. A tool
+  call costs what it costs locally (see `benchmarks/env.py`); `Lease.exec` runs a
+  command through the actor instead, for callers that drive tools themselves.
+- **Nothing hangs the caller.** Every call into an actor has a deadline; a dead
+  actor (RayActorError) or a timeout makes the episode retry on a fresh lease
+  (`retries`) and then fail with `status="env_error"`; the caller's `finally`
+  releases the lease, and removes the folder itself if the actor is gone.
+
+    server = EnvironmentServer(EnvConfig(num_actors=2))
+    result = await server.run_episode(task, model_spec_or_factory="scripted:turns.json")
+    result.reward, result.resolved, result.metrics, result.turns
+
+    async with server.lease(task) as lease:     # lower level, for the RL loop
+        ws = lease.workspace                     # a LocalWorkspace on the episode's copy
+        await lease.exec("python -m pytest -q")
+        verdict = await lease.verify(answer="...", tool_ok=True)
+
+Tests: `.venv/bin/python -m pytest tests/training/test_env*.py -q` (real Ray, real bwrap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.training.tasks import ANSWER_FILE, Task, TaskError, safe_extract
+
+log = logging.getLogger(__name__)
+
+READ_TOOLS = frozenset({"read_file", "grep", "glob", "codebase_search", "list_dir"})
+EDIT_TOOLS = frozenset({"edit_file", "write_file", "delete_file"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """How the environment server runs episodes."""
+
+    num_actors: int = 2
+    pool_size: int = 2  # warm workspaces kept ready per task per actor (0: none)
+    root: Path | None = None  # where workspaces live; default $TMPDIR/opencomposer-env-<pid>
+    disk_mb: int = 1024  # per-workspace size limit (a tmpfs), where mounting is allowed
+    memory_mb: int = 4096  # per-command memory limit in the sandbox
+    max_processes: int = 256  # per-command process limit in the sandbox
+    retries: int = 1  # fresh attempts after the environment (not the agent) failed
+    address: str | None = None  # Ray cluster to join; None starts or reuses a local Ray
+    call_timeout_s: float = 120.0  # deadline of an actor call beyond its own work
+    max_templates: int = 64  # unpacked tasks kept per actor (LRU)
+
+
+@dataclass(kw_only=True)
+class CommandResult:
+    exit_code: int
+    output: str
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Verdict:
+    """What verify (and the graded parts) found."""
+
+    reward: float
+    resolved: bool
+    parts: dict[str, bool]
+    verify_exit: int
+    verify_output: str
+    timed_out: bool = False
+
+
+@dataclass(kw_only=True)
+class EpisodeResult:
+    """One episode: the reward, the metrics, and the session's turns for the trainer.
+
+    `status` is the session's status (completed, max_turns, …), `timeout` when the
+    episode ran past the task's `timeout_s`, `setup_failed` when the task's setup
+    failed, `env_error` when the environment itself failed after its retries.
+    """
+
+    task_id: str
+    status: str
+    reward: float
+    resolved: bool
+    parts: dict[str, bool] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    answer: str = ""
+    session_id: str = ""
+    turns: list[Any] = field(default_factory=list)  # agent.session.TurnRecord
+    verify_output: str = ""
+    error: str | None = None
+    attempts: int = 1
+
+
+# ---------------------------------------------------------------- the sandbox
+
+
+def sandbox_config(task: Task, config: EnvConfig) -> SandboxConfig:
+    return SandboxConfig(
+        mode="workspace-write",
+        timeout_s=task.command_timeout_s,
+        memory_mb=config.memory_mb,
+        max_processes=config.max_processes,
+    )
+
+
+async def run_command(command: str, *, cwd: Path, sandbox: SandboxConfig) -> CommandResult:
+    """One command in the agent core's bubblewrap sandbox (the same code as run_terminal),
+    with this interpreter's folder first on PATH so `python` has the project's packages."""
+    from opencomposer.tools.sandbox import run_sandboxed
+
+    bindir = str(Path(sys.executable).parent)
+    result = await run_sandboxed(
+        f'export PATH="{bindir}:$PATH"\n{command}', root=cwd, config=sandbox
+    )
+    output = result.output
+    if result.killed_reason:
+        output += f"\n[killed: {result.killed_reason}]"
+    return CommandResult(
+        exit_code=result.exit_code if result.killed_reason is None else (result.exit_code or -9),
+        output=output,
+        timed_out=result.timed_out,
+        duration_s=round(result.duration_s, 4),
+    )
+
+
+# ---------------------------------------------------------------- workspaces on disk
+
+
+def _can_mount() -> bool:
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="oc-mount-probe-"))
+    try:
+        ok = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True
+            ).returncode
+            == 0
+        )
+        if ok:
+            subprocess.run(["umount", "-l", str(probe)], capture_output=True)
+        return ok
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()) if path.exists() else str(path)
+    found = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            point = line.split()[1].replace("\\040", " ")
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+def remove_workspace(path: Path) -> None:
+    """Unmount whatever is mounted at or under `path`, then delete it; never raises."""
+    for point in _mounts_under(path):
+        with contextlib.suppress(Exception):
+            subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
+    with contextlib.suppress(Exception):
+        _make_writable(path)
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(Exception):
+        path.parent.rmdir()
+
+
+def _make_writable(path: Path) -> None:
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(dirpath, d), 0o755)
+
+
+def _tar_key(task: Task) -> str:
+    st = task.repo_tar.stat()
+    raw = f"{task.repo_tar}:{st.st_size}:{st.st_mtime_ns}:{task.setup}"
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+class Workspaces:
+    """Templates, warm pools and episode copies on one machine (used inside an actor,
+    and directly by tests and benchmarks)."""
+
+    def __init__(self, root: Path, config: EnvConfig):
+        self.root = root
+        self.config = config
+        self.mount = _can_mount()
+        self.templates: dict[str, Path] = {}
+        self.pools: dict[str, deque[Path]] = {}
+        self.leases: dict[str, Path] = {}
+        self._template_locks: dict[str, asyncio.Lock] = {}
+        self._refills: set[asyncio.Task[Any]] = set()
+        remove_workspace(root)  # what a dead predecessor (a restarted actor) left behind
+        (root / "templates").mkdir(parents=True, exist_ok=True)
+        (root / "ws").mkdir(parents=True, exist_ok=True)
+
+    async def template(self, task: Task) -> Path:
+        """The task unpacked (safely) with its setup run; built once, then reused."""
+        key = _tar_key(task)
+        lock = self._template_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in self.templates:
+                self.templates[key] = self.templates.pop(key)  # LRU: most recent last
+                return self.templates[key]
+            dest = self.root / "templates" / key
+            remove_workspace(dest)
+            try:
+                await asyncio.to_thread(safe_extract, task.repo_tar, dest / "repo")
+                if task.setup.strip():
+                    res = await run_command(
+                        task.setup, cwd=dest / "repo", sandbox=sandbox_config(task, self.config)
+                    )
+                    if res.exit_code != 0:
+                        why = "timed out" if res.timed_out else f"exit {res.exit_code}"
+                        raise SetupFailed(f"setup failed ({why}): {_tail(res.output)}")
+            except BaseException:
+                remove_workspace(dest)
+                raise
+            self.templates[key] = dest / "repo"
+            self._evict()
+            return dest / "repo"
+
+    def _evict(self) -> None:
+        while len(self.templates) > self.config.max_templates:
+            key, path = next(iter(self.templates.items()))
+            del self.templates[key]
+            for ws in self.pools.pop(key, deque()):
+                remove_workspace(ws)
+            remove_workspace(path.parent)
+
+    async def copy(self, template: Path) -> Path:
+        """A fresh workspace: its own folder (a size-limited tmpfs where possible)
+        holding a copy-on-write copy of the template."""
+        dest = self.root / "ws" / uuid.uuid4().hex[:12] / "repo"
+        dest.mkdir(parents=True)
+        if self.mount:
+            opts = f"size={self.config.disk_mb}m,mode=0755"
+            subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(dest)], check=True)
+        proc = await asyncio.create_subprocess_exec(
+            "cp",
+            "-a",
+            "--reflink=auto",
+            f"{template}/.",
+            str(dest),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            remove_workspace(dest)
+            raise OSError(f"copying the workspace failed: {err.decode(errors='replace').strip()}")
+        return dest
+
+    async def acquire(self, task: Task) -> tuple[str, Path]:
+        key = _tar_key(task)
+        template = await self.template(task)
+        pool = self.pools.setdefault(key, deque())
+        path = pool.popleft() if pool else await self.copy(template)
+        if self.config.pool_size > 0:
+            self._refill(key, template)
+        lease_id = uuid.uuid4().hex[:12]
+        self.leases[lease_id] = path
+        return lease_id, path
+
+    def _refill(self, key: str, template: Path) -> None:
+        async def fill() -> None:
+            pool = self.pools.setdefault(key, deque())
+            while len(pool) < self.config.pool_size and key in self.templates:
+                pool.append(await self.copy(template))
+
+        task = asyncio.ensure_future(fill())
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
+
+    async def prewarm(self, task: Task) -> int:
+        key = _tar_key(task)
+        template = await self.template(task)
+        pool = self.pools.setdefault(key, deque())
+        while len(pool) < self.config.pool_size:
+            pool.append(await self.copy(template))
+        return len(pool)
+
+    def release(self, lease_id: str) -> None:
+        path = self.leases.pop(lease_id, None)
+        if path is not None:
+            remove_workspace(path)
+
+    async def verify(self, lease_id: str, task: Task, *, answer: str, tool_ok: bool) -> Verdict:
+        path = self.leases[lease_id]
+        template = self.templates.get(_tar_key(task)) or await self.template(task)
+        return await verify_workspace(
+            path, template, task, answer=answer, tool_ok=tool_ok, config=self.config
+        )
+
+    def close(self) -> None:
+        for t in list(self._refills):
+            t.cancel()
+        for lease_id in list(self.leases):
+            self.release(lease_id)
+        for pool in self.pools.values():
+            for ws in pool:
+                remove_workspace(ws)
+        self.pools.clear()
+        for path in self.templates.values():
+            remove_workspace(path.parent)
+        self.templates.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class SetupFailed(TaskError):
+    """The task's setup command failed: the task, not the agent, is at fault."""
+
+
+async def verify_workspace(
+    path: Path, template: Path, task: Task, *, answer: str, tool_ok: bool, config: EnvConfig
+) -> Verdict:
+    """Grade a finished workspace: protected files restored from the template, the
+    answer written to ANSWER_FILE, then verify and each check in a fresh sandbox."""
+    for rel in task.protect:
+        src, dst = template / rel, path / rel
+        with contextlib.suppress(OSError):
+            if dst.is_symlink() or dst.is_file():
+                dst.unlink()
+            elif dst.is_dir():
+                shutil.rmtree(dst)
+            if src.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+    answer_file = path / ANSWER_FILE
+    with contextlib.suppress(OSError):
+        if answer_file.is_symlink():
+            answer_file.unlink()
+        answer_file.parent.mkdir(parents=True, exist_ok=True)
+        answer_file.write_text(answer, encoding="utf-8")
+    sandbox = sandbox_config(task, config)
+    res = await run_command(task.verify, cwd=path, sandbox=sandbox)
+    w = task.reward
+    parts: dict[str, bool] = {"verify": res.exit_code == 0}
+    weights: dict[str, float] = {"verify": float(w.get("verify", 1.0))}
+    if w.get("answer"):
+        parts["answer"] = bool(re.search(w["answer_pattern"], answer or ""))
+        weights["answer"] = float(w["answer"])
+    if w.get("tool_call"):
+        parts["tool_call"] = tool_ok
+        weights["tool_call"] = float(w["tool_call"])
+    for i, check in enumerate(w.get("checks", [])):
+        c = await run_command(check["command"], cwd=path, sandbox=sandbox)
+        parts[f"check{i}"] = c.exit_code == 0
+        weights[f"check{i}"] = float(check.get("weight", 1.0))
+    total = sum(weights.values()) or 1.0
+    reward = sum(weights[k] for k, ok in parts.items() if ok) / total
+    resolved = parts["verify"] and parts.get("answer", True)
+    return Verdict(
+        reward=round(reward, 6),
+        resolved=resolved,
+        parts=parts,
+        verify_exit=res.exit_code,
+        verify_output=_tail(res.output, 4000),
+        timed_out=res.timed_out,
+    )
+
+
+def _tail(text: str, limit: int = 600) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
+# ---------------------------------------------------------------- the Ray actor
+
+
+class EnvActor:
+    """One environment worker (a Ray actor, async, many leases at once)."""
+
+    def __init__(self, root: str, config: EnvConfig):
+        logging.basicConfig(level=logging.WARNING)
+        self.ws = Workspaces(Path(root), config)
+
+    async def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "mount": self.ws.mount, "leases": len(self.ws.leases)}
+
+    async def acquire(self, task: Task) -> tuple[str, str, int]:
+        lease_id, path = await self.ws.acquire(task)
+        return lease_id, str(path), os.getpid()
+
+    async def prewarm(self, task: Task) -> int:
+        return await self.ws.prewarm(task)
+
+    async def exec(self, lease_id: str, command: str, sandbox: SandboxConfig) -> CommandResult:
+        return await run_command(command, cwd=self.ws.leases[lease_id], sandbox=sandbox)
+
+    async def verify(self, lease_id: str, task: Task, answer: str, tool_ok: bool) -> Verdict:
+        return await self.ws.verify(lease_id, task, answer=answer, tool_ok=tool_ok)
+
+    async def release(self, lease_id: str) -> None:
+        self.ws.release(lease_id)
+
+    async def shutdown(self) -> None:
+        self.ws.close()
+
+
+# ---------------------------------------------------------------- the caller's side
+
+
+class EnvError(Exception):
+    """The environment (an actor, Ray, the machine) failed, not the agent."""
+
+
+_RAY_STARTED_HERE = False
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Start Ray quietly (or join `address`); reuse a Ray already started in-process."""
+    global _RAY_STARTED_HERE
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        configure_logging=False,
+        ignore_reinit_error=True,
+    )
+    if address is None:
+        kwargs["object_store_memory"] = 80 * 1024 * 1024
+    ray.init(address=address, **kwargs)
+    _RAY_STARTED_HERE = address is None
+
+
+@dataclass(kw_only=True)
+class Lease:
+    """One episode's workspace, held from an actor until `release`."""
+
+    server: EnvironmentServer
+    actor: Any
+    task: Task
+    lease_id: str
+    root: Path
+
+    @property
+    def workspace(self) -> Any:
+        from opencomposer.tools.workspace import LocalWorkspace
+
+        return LocalWorkspace(self.root)
+
+    async def exec(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
+        sandbox = sandbox_config(self.task, self.server.config)
+        if timeout_s is not None:
+            sandbox = replace(sandbox, timeout_s=timeout_s)
+        return await self.server._call(
+            self.actor.exec.remote(self.lease_id, command, sandbox), sandbox.timeout_s
+        )
+
+    async def verify(self, *, answer: str = "", tool_ok: bool = False) -> Verdict:
+        budget = self.task.command_timeout_s * (2 + len(self.task.reward.get("checks", [])))
+        return await self.server._call(
+            self.actor.verify.remote(self.lease_id, self.task, answer, tool_ok), budget
+        )
+
+    async def release(self) -> None:
+        try:
+            await self.server._call(self.actor.release.remote(self.lease_id), 10)
+        except EnvError:
+            pass
+        remove_workspace(self.root)  # the actor may be gone; the folder is on this node
+
+
+class EnvironmentServer:
+    """A pool of `EnvActor`s on this node and the episodes run through them."""
+
+    def __init__(self, config: EnvConfig | None = None):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.config = config or EnvConfig()
+        ensure_ray(self.config.address)
+        root = self.config.root or Path(tempfile.gettempdir()) / f"opencomposer-env-{os.getpid()}"
+        self.root = Path(root)
+        node = ray.get_runtime_context().get_node_id()
+        actor_cls = ray.remote(EnvActor).options(
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        )
+        self.actors = [
+            actor_cls.remote(str(self.root / f"actor{i}"), self.config)
+            for i in range(self.config.num_actors)
+        ]
+        self._load = [0] * len(self.actors)
+        self._models: dict[str, Any] = {}
+        self._pids: set[int] = set()  # actor processes seen, so close() can wait them out
+
+    async def start(self) -> None:
+        """Wait until every actor answers (optional: the first call waits anyway)."""
+        pings = await asyncio.gather(*(self._call(a.ping.remote(), 0) for a in self.actors))
+        self._pids.update(p["pid"] for p in pings)
+
+    async def _call(self, ref: Any, work_s: float) -> Any:
+        import ray
+
+        try:
+            return await asyncio.wait_for(ref, timeout=work_s + self.config.call_timeout_s)
+        except TaskError:
+            raise
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, TaskError):
+                raise cause from None
+            raise EnvError(f"environment call failed: {_one_line(cause)}") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayError) as e:
+            raise EnvError(f"environment actor failed: {_one_line(e)}") from None
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=False)
+            raise EnvError("environment call timed out") from None
+
+    def _pick(self, task: Task) -> int:
+        least = min(self._load)
+        choices = [i for i, n in enumerate(self._load) if n == least]
+        return choices[int(hashlib.sha1(task.id.encode()).hexdigest(), 16) % len(choices)]
+
+    @contextlib.asynccontextmanager
+    async def lease(self, task: Task) -> AsyncIterator[Lease]:
+        """A fresh workspace for one episode; released (deleted) on exit, always."""
+        i = self._pick(task)
+        actor = self.actors[i]
+        self._load[i] += 1
+        lease: Lease | None = None
+        try:
+            budget = task.command_timeout_s + 60  # unpack + setup + copy
+            lease_id, root, pid = await self._call(actor.acquire.remote(task), budget)
+            self._pids.add(pid)
+            lease = Lease(server=self, actor=actor, task=task, lease_id=lease_id, root=Path(root))
+            yield lease
+        finally:
+            self._load[i] -= 1
+            if lease is not None:
+                await asyncio.shield(lease.release())
+
+    async def prewarm(self, tasks: list[Task]) -> None:
+        """Build templates and fill warm pools ahead of the episodes."""
+        await asyncio.gather(
+            *(
+                self._call(a.prewarm.remote(t), t.command_timeout_s + 60)
+                for t in tasks
+                for a in self.actors
+            )
+        )
+
+    def model(self, spec_or_factory: Any) -> Any:
+        """A Model for one episode. A spec string is built once and shared by all
+        episodes (backends serve concurrent sessions; scripted ones are stateless); a
+        callable is called per episode; a Model is used as is."""
+        if isinstance(spec_or_factory, str):
+            from opencomposer.agent.backends import make_model
+
+            if spec_or_factory not in self._models:
+                self._models[spec_or_factory] = make_model(spec_or_factory)
+            return self._models[spec_or_factory]
+        if callable(spec_or_factory) and not hasattr(spec_or_factory, "stream"):
+            return spec_or_factory()
+        return spec_or_factory
+
+    async def run_episode(
+        self,
+        task: Task,
+        *,
+        model_spec_or_factory: Any,
+        session_config: Any = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        traces: Any = None,
+    ) -> EpisodeResult:
+        """Run the production Session on a fresh copy of the task and grade it.
+
+        Environment failures retry on a fresh lease (`EnvConfig.retries`), then end
+        as `status="env_error"`; a failing setup ends as `setup_failed`. The episode
+        runs at most `task.timeout_s` (then `status="timeout"`, graded as it stands).
+        """
+        last = ""
+        for attempt in range(1, self.config.retries + 2):
+            try:
+                result = await self._episode(
+                    task, model_spec_or_factory, session_config, on_event, traces
+                )
+                result.attempts = attempt
+                return result
+            except SetupFailed as e:
+                return EpisodeResult(
+                    task_id=task.id,
+                    status="setup_failed",
+                    reward=0.0,
+                    resolved=False,
+                    error=str(e),
+                    attempts=attempt,
+                )
+            except TaskError as e:
+                return EpisodeResult(
+                    task_id=task.id,
+                    status="task_error",
+                    reward=0.0,
+                    resolved=False,
+                    error=str(e),
+                    attempts=attempt,
+                )
+            except (EnvError, OSError) as e:
+                last = str(e)
+                log.warning("episode %s attempt %d: %s", task.id, attempt, e)
+        return EpisodeResult(
+            task_id=task.id,
+            status="env_error",
+            reward=0.0,
+            resolved=False,
+            error=last,
+            attempts=self.config.retries + 1,
+        )
+
+    async def _episode(
+        self, task: Task, model_spec: Any, session_config: Any, on_event: Any, traces: Any
+    ) -> EpisodeResult:
+        from opencomposer.agent.session import Session, SessionConfig
+
+        t0 = time.monotonic()
+        metrics = EpisodeMetrics()
+
+        def sink(event: dict[str, Any]) -> None:
+            metrics.observe(event)
+            if on_event is not None:
+                on_event(event)
+
+        cfg = session_config or SessionConfig(approve="all", emit_deltas=False)
+        cfg = replace(cfg, sandbox=sandbox_config(task, self.config))
+        async with self.lease(task) as lease:
+            session = Session(
+                model=self.model(model_spec),
+                workspace=lease.workspace,
+                config=cfg,
+                on_event=sink,
+                traces=traces,
+            )
+            run = asyncio.ensure_future(session.run(task.query))
+            status = None
+            try:
+                result = await asyncio.wait_for(asyncio.shield(run), timeout=task.timeout_s)
+            except TimeoutError:
+                session.cancel("timeout")
+                try:
+                    result = await asyncio.wait_for(run, timeout=30)
+                except (TimeoutError, asyncio.CancelledError):
+                    run.cancel()
+                    raise EnvError("the session did not stop after its time limit") from None
+                status = "timeout"
+            t_verify = time.monotonic()
+            verdict = await lease.verify(answer=result.answer, tool_ok=metrics.tool_ok > 0)
+            verify_s = time.monotonic() - t_verify
+        m = metrics.summary()
+        m["wall_s"] = round(time.monotonic() - t0, 3)
+        m["verify_s"] = round(verify_s, 3)
+        return EpisodeResult(
+            task_id=task.id,
+            status=status or result.status,
+            reward=verdict.reward,
+            resolved=verdict.resolved,
+            parts=verdict.parts,
+            metrics=m,
+            answer=result.answer,
+            session_id=result.session_id,
+            turns=result.turns,
+            verify_output=verdict.verify_output,
+            error=result.error,
+        )
+
+    async def close(self) -> None:
+        """Delete every workspace and stop the actors (Ray itself stays up for reuse)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(a.shutdown.remote() for a in self.actors), return_exceptions=True),
+                timeout=30,
+            )
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        self.actors = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in self._pids):
+            await asyncio.sleep(0.05)  # a dying actor may still be mounting a pool copy
+        remove_workspace(self.root)
+        for m in self._models.values():
+            with contextlib.suppress(Exception):
+                await m.close()
+        self._models.clear()
+
+    async def __aenter__(self) -> EnvironmentServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class EpisodeMetrics:
+    """Episode metrics, computed from the session's event stream (DESIGN.md events)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.tool_calls = 0
+        self.tool_ok = 0
+        self.calls_per_turn: dict[int, int] = {}
+        self.reads_before_edit = 0
+        self.searches_before_edit = 0
+        self.edited = False
+        self.edit_failures = 0
+        self.names: dict[str, str] = {}
+
+    def observe(self, e: dict[str, Any]) -> None:
+        kind = e.get("type")
+        if kind == "model_end":
+            self.turns += 1
+            self.prompt_tokens += int(e.get("prompt_tokens") or 0)
+            self.completion_tokens += int(e.get("completion_tokens") or 0)
+        elif kind == "tool_start":
+            name = e.get("name", "")
+            self.names[str(e.get("call_id"))] = name
+            self.tool_calls += 1
+            self.calls_per_turn[e.get("turn", 0)] = self.calls_per_turn.get(e.get("turn", 0), 0) + 1
+            if not self.edited and name in ("read_file", "list_dir"):
+                self.reads_before_edit += 1
+            if not self.edited and name in ("grep", "glob", "codebase_search"):
+                self.searches_before_edit += 1
+            if name in EDIT_TOOLS:
+                self.edited = True
+        elif kind == "tool_end":
+            name = e.get("name") or self.names.get(str(e.get("call_id")), "")
+            if e.get("status") == "ok":
+                self.tool_ok += 1
+            elif name in EDIT_TOOLS:
+                self.edit_failures += 1
+        elif kind == "edit":
+            self.edited = True
+
+    def summary(self) -> dict[str, float]:
+        per_turn = list(self.calls_per_turn.values())
+        return {
+            "turns": self.turns,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "tokens": self.prompt_tokens + self.completion_tokens,
+            "tool_calls": self.tool_calls,
+            "parallel_calls_per_turn": round(sum(per_turn) / len(per_turn), 3) if per_turn else 0.0,
+            "max_parallel_calls": max(per_turn, default=0),
+            "reads_before_first_edit": self.reads_before_edit,
+            "searches_before_first_edit": self.searches_before_edit,
+            "edit_failures": self.edit_failures,
+        }
+
+
+def _one_line(e: object) -> str:
+    return " ".join(str(e).split())[:300]
