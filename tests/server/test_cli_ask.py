@@ -24,18 +24,33 @@ def test_ask_json_event_stream_and_traces(tmp_path, env):
     ws.mkdir()
     (ws / "a.py").write_text("x = 1\n")
     script = tmp_path / "s.json"
-    script.write_text(json.dumps({"turns": [
-        '<read_file path="a.py"/>\n<edit_file path="a.py"><old>x = 1</old><new>x = 2</new></edit_file>',
-        "done",
-    ]}))
-    p = run(["ask", "bump x", "-w", str(ws), "-m", f"scripted:{script}", "--json", "--approve", "all"], env)
+    script.write_text(
+        json.dumps(
+            {
+                "turns": [
+                    '<read_file path="a.py"/>\n<edit_file path="a.py"><old>x = 1</old><new>x = 2</new></edit_file>',
+                    "done",
+                ]
+            }
+        )
+    )
+    p = run(
+        ["ask", "bump x", "-w", str(ws), "-m", f"scripted:{script}", "--json", "--approve", "all"],
+        env,
+    )
     assert p.returncode == 0, p.stderr
     events = [json.loads(line) for line in p.stdout.splitlines()]
     assert [e["type"] for e in events][0] == "session_start"
     assert events[-1]["type"] == "session_end" and events[-1]["status"] == "completed"
-    assert {"session_start", "model_start", "tool_start", "tool_end", "edit", "model_end", "message"} <= {
-        e["type"] for e in events
-    }
+    assert {
+        "session_start",
+        "model_start",
+        "tool_start",
+        "tool_end",
+        "edit",
+        "model_end",
+        "message",
+    } <= {e["type"] for e in events}
     assert "model_delta" not in {e["type"] for e in events}
     assert all(isinstance(e["t"], float | int) for e in events)
     assert (ws / "a.py").read_text() == "x = 2\n"
@@ -54,7 +69,9 @@ def test_without_approval_edits_are_refused_in_json_mode(tmp_path, env):
     ws.mkdir()
     (ws / "a.py").write_text("x = 1\n")
     script = tmp_path / "s.json"
-    script.write_text(json.dumps({"turns": ['<write_file path="b.py"><content>y</content></write_file>', "ok"]}))
+    script.write_text(
+        json.dumps({"turns": ['<write_file path="b.py"><content>y</content></write_file>', "ok"]})
+    )
     p = run(["ask", "q", "-w", str(ws), "-m", f"scripted:{script}", "--json"], env)
     assert p.returncode == 0
     assert not (ws / "b.py").exists()
