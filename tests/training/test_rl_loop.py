@@ -1,0 +1,156 @@
+"""The training loop end to end on a tiny random Llama with synthetic episodes:
+metrics lines, versions that move, checkpoints, resume, bad task sets."""
+
+import json
+import random
+
+import pytest
+import torch
+from opencomposer.training.config import ConfigError, parse_config
+from opencomposer.training.rl import Run, rollout_from_episode, run_loop, task_cycle
+from opencomposer.training.rollouts import Rollout, Turn
+from opencomposer.training.trainer import Trainer, TrainerConfig, tiny_llama
+from opencomposer.training.weight_sync import ModuleReceiver, VersionedModel
+
+
+class NullModel:
+    name, context_window = "null", 1024
+
+    async def close(self):
+        pass
+
+
+def make_run(tmp_path, *, steps=3, crash_every=0):
+    cfg = parse_config(
+        {
+            "rollout": {"group_size": 4, "groups_per_step": 2, "mode": "async", "max_inflight": 3},
+            "optim": {"lr": 1e-2, "micro_batch_size": 4},
+            "run": {"steps": steps, "checkpoint_every": 2, "progress": False},
+            "tasks": {"eval_every": 2, "eval_samples": 1},
+        }
+    )
+    trainer = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="fp32"))
+    sampler = VersionedModel(NullModel(), ModuleReceiver(tiny_llama(seed=3)))
+    rng = random.Random(0)
+    calls = {"n": 0}
+
+    async def episode(task, scfg):
+        calls["n"] += 1
+        if crash_every and calls["n"] % crash_every == 0:
+            raise RuntimeError("boom")
+        ids = [rng.randrange(1, 60) for _ in range(4)]
+        return Rollout(
+            task_id=task,
+            reward=float(ids[0] % 2),
+            resolved=bool(ids[0] % 2),
+            turns=[
+                Turn(
+                    prompt_ids=[1, 2, 3],
+                    completion_ids=ids,
+                    logprobs=[-4.0] * 4,
+                    weight_version=sampler.weight_version,
+                )
+            ],
+            stats={"tool_calls": 2.0, "parallel_calls_per_turn": 2.0},
+        )
+
+    return Run(
+        config=cfg,
+        out=tmp_path,
+        trainer=trainer,
+        sampler=sampler,
+        episode=episode,
+        tasks=["t1", "t2", "t3"],
+        heldout=["h1"],
+    )
+
+
+def lines(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+async def test_loop_writes_metrics_moves_versions_and_checkpoints(tmp_path):
+    run = make_run(tmp_path)
+    before = {k: v.clone() for k, v in run.trainer.model.state_dict().items()}
+    await run_loop(run)
+    rows = lines(tmp_path)
+    assert rows[0]["step"] == 0 and "heldout_reward" in rows[0]  # the baseline evaluation
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["weight_version"] for r in steps] == [1, 2, 3]
+    for key in (
+        "reward_mean",
+        "resolve_rate",
+        "entropy",
+        "grad_norm",
+        "kl_old",
+        "rollout_s",
+        "train_s",
+        "sync_s",
+        "tool_calls",
+        "parallel_calls_per_turn",
+        "completion_tokens",
+    ):
+        assert key in steps[-1], key
+    assert "heldout_reward" in steps[1] and "heldout_reward" in steps[2]
+    assert run.sampler.weight_version == 3  # the sampler got every version
+    after = run.trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    sampler_w = run.sampler.receiver.module.state_dict()
+    assert all(torch.allclose(sampler_w[k], after[k], rtol=1e-2, atol=1e-3) for k in sampler_w)
+    assert (tmp_path / "checkpoints" / "step_2").is_dir() and (
+        tmp_path / "checkpoints" / "step_3"
+    ).is_dir()
+    assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+async def test_stopped_run_resumes_from_its_checkpoint(tmp_path):
+    await run_loop(make_run(tmp_path, steps=2))
+    run = make_run(tmp_path, steps=4)
+    await run_loop(run)
+    steps = [r["step"] for r in lines(tmp_path)]
+    assert steps == [0, 1, 2, 3, 4]  # nothing redone, nothing skipped
+    assert run.trainer.version == 4 and run.sampler.weight_version == 4
+
+
+async def test_crashing_rollouts_are_counted_and_training_goes_on(tmp_path):
+    run = make_run(tmp_path, steps=2, crash_every=3)
+    await run_loop(run)
+    steps = [r for r in lines(tmp_path) if r["step"] > 0]
+    assert sum(r["rollouts_failed"] for r in steps) >= 2
+    assert steps[-1]["weight_version"] == 2
+
+
+def test_empty_or_malformed_task_sets_are_one_clear_error():
+    with pytest.raises(ConfigError, match="empty"):
+        next(task_cycle([], seed=0))
+    with pytest.raises(ConfigError, match="unknown key rollout.grup_size"):
+        parse_config({"rollout": {"grup_size": 4}})
+
+
+def test_episode_results_map_to_rollouts():
+    class Out:
+        prompt_token_ids, completion_token_ids, completion_logprobs, weight_version = (
+            [1],
+            [2, 3],
+            [-0.1, -0.2],
+            4,
+        )
+
+    class Rec:
+        output = Out()
+
+    class Res:
+        task_id, status, reward, resolved, error = "t", "completed", 1.0, True, None
+        turns = [Rec()]
+        metrics = {"tool_calls": 3, "reads_before_first_edit": 2, "wall_s": 1.5}
+
+    r = rollout_from_episode(Res(), group=2, index=1)
+    assert r.status == "ok" and r.turns[0].completion_ids == [2, 3] and r.versions == [4]
+    assert r.stats["tool_calls"] == 3 and r.stats["reads_before_edit"] == 2 and r.duration_s == 1.5
+    Res.status = "timeout"
+    assert rollout_from_episode(Res()).status == "timeout"
+    Res.status = "env_error"
+    assert rollout_from_episode(Res()).status == "error"
+    Res.status, Rec.output = "completed", type("NoIds", (), {"prompt_token_ids": None})()
+    assert rollout_from_episode(Res()).status == "error"

@@ -1,0 +1,171 @@
+"""The training run's configuration: one TOML file, read into keyword-only dataclasses.
+
+Sections and their keys are the dataclasses below (``configs/starter.toml`` is
+the annotated example). Unknown sections or keys, wrong types and impossible
+values are user mistakes: ``ConfigError`` with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    path: str = "smollm2"  # "smollm2" (embedded) or a Hugging Face model folder
+    sampler: Literal["vllm", "hf"] = "vllm"  # the engine that samples rollouts
+    precision: Literal["bf16", "fp32", "mxfp8"] = "bf16"
+    moe_experts: int = 0  # > 0: upcycle the dense model into an MoE before training
+    moe_top_k: int = 2
+    kv_cache_gib: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TasksSection:
+    suite: str = "starter:train"
+    heldout: str = "starter:heldout"  # "" for none
+    eval_every: int = 5  # steps between held-out evaluations (0: only at start and end)
+    eval_samples: int = 2  # rollouts per held-out task per evaluation
+    eval_temperature: float = 0.7
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+    group_size: int = 4
+    groups_per_step: int = 4
+    mode: Literal["sync", "async"] = "async"
+    max_inflight: int = 6
+    extra_per_group: int = 0
+    max_staleness: int = 1
+    episode_timeout_s: float = 180.0
+    workers: Literal["local", "ray"] = "local"  # ray: episodes on Ray actors (remote samplers)
+    num_workers: int = 4
+    max_turns: int = 4
+    max_tokens: int = 256  # per turn
+    max_completion_tokens: int = 1024  # per episode
+    temperature: float = 1.0
+    top_p: float = 1.0
+    approve: Literal["none", "safe", "all"] = "all"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoSection:
+    estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    aggregation: Literal["token", "sequence"] = "token"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    steps: int = 40
+    seed: int = 0
+    out: str = "runs/starter"
+    checkpoint_every: int = 5
+    progress: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class SftSection:
+    """Supervised warm start: on accepted traces (``--sft``) or on rejection samples."""
+
+    source: Literal["traces", "rejection"] = "traces"
+    min_reward: float = 1.0  # rejection sampling: keep rollouts at least this good
+    samples_per_task: int = 4  # rejection sampling: attempts per training task
+    epochs: int = 2
+    lr: float = 1e-5
+    micro_batch_size: int = 4
+    max_examples: int = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    tasks: TasksSection = field(default_factory=TasksSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+    sft: SftSection = field(default_factory=SftSection)
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where} = {value!r}: expected one of {list(typing.get_args(hint))}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(hint):
+            try:
+                return _check(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where} = {value!r} has the wrong type")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{where} = {value!r}: expected {hint.__name__}")
+    return value
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {where}.{key} (known: {', '.join(sorted(names))})")
+        kw[key] = _check(value, hints[key], f"{where}.{key}")
+    return cls(**kw)
+
+
+def parse_config(data: dict[str, Any]) -> TrainConfig:
+    hints = typing.get_type_hints(TrainConfig)
+    kw = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(f"unknown section [{key}] (known: {', '.join(hints)})")
+        kw[key] = _section(hints[key], value, key)
+    cfg = TrainConfig(**kw)
+    r = cfg.rollout
+    if r.group_size < 2:
+        raise ConfigError("rollout.group_size must be at least 2 (advantages are group-relative)")
+    if r.groups_per_step < 1 or r.max_inflight < r.groups_per_step:
+        raise ConfigError("rollout.max_inflight must be at least rollout.groups_per_step (>= 1)")
+    if cfg.run.steps < 0 or cfg.optim.micro_batch_size < 1:
+        raise ConfigError("run.steps must be >= 0 and optim.micro_batch_size >= 1")
+    return cfg
+
+
+def load_config(path: Path) -> TrainConfig:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_config(data)

@@ -1,0 +1,372 @@
+"""`opencomposer train`: GRPO-style RL through the production agent, on this CPU or a GPU.
+
+One step:
+
+1. **rollouts** — the ``RolloutScheduler`` hands out ``groups_per_step`` groups of
+   ``group_size`` episodes; an episode is ``EnvironmentServer.run_episode`` (the
+   agent ``Session`` on a fresh sandboxed copy of the task, graded by its verify
+   command) with the sampler model wrapped in ``VersionedModel``;
+2. **advantages + samples** — per group (``advantages``), crashed/timed-out
+   rollouts masked, all-equal groups skipped; token-exact samples (``rollouts``);
+3. **train** — ``Trainer.step`` (clipped ratio against the sampler's logprobs);
+   in async mode rollouts keep running while it trains (a thread);
+4. **sync** — the new weights go into the running sampler (``weight_sync``) with
+   the new version, and the sampler's version is checked (lag is an error);
+5. **metrics** — a line in ``metrics.jsonl``, a progress line, plots at the end;
+   a held-out evaluation every ``tasks.eval_every`` steps; a checkpoint every
+   ``run.checkpoint_every`` steps. Restarting the same command resumes from the
+   newest complete checkpoint.
+
+Where things run: the trainer and the sampler (vLLM in-process on CPU, so the
+weight sync is a memory copy) live in this process; workspaces, setup and verify
+run on the environment server's Ray actors; the agent session loop runs here on
+the event loop, many episodes at once.
+
+Run: ``opencomposer train --config configs/starter.toml [--max-steps N] [--out DIR] [--sft]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import itertools
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from opencomposer.training.config import ConfigError, TrainConfig, load_config
+from opencomposer.training.loss import LossConfig
+from opencomposer.training.metrics import (
+    MetricsLog,
+    Progress,
+    plot_metrics,
+    rollout_summary,
+    step_metrics,
+)
+from opencomposer.training.rollouts import (
+    Group,
+    Rollout,
+    RolloutScheduler,
+    SchedulerConfig,
+    build_samples,
+    turn_from,
+)
+from opencomposer.training.trainer import Trainer, TrainerConfig, latest_checkpoint
+from opencomposer.training.weight_sync import ModuleReceiver, VersionedModel, WeightSync
+
+OK_STATUSES = frozenset({"completed", "max_turns", "max_tokens"})
+METRIC_KEYS = {  # env metrics -> rollout stats
+    "tool_calls": "tool_calls",
+    "parallel_calls_per_turn": "parallel_calls_per_turn",
+    "reads_before_first_edit": "reads_before_edit",
+    "searches_before_first_edit": "searches_before_edit",
+    "turns": "turns",
+}
+
+
+def rollout_from_episode(result: Any, *, group: int = 0, index: int = 0) -> Rollout:
+    """A ``Rollout`` from the environment server's ``EpisodeResult``.
+
+    Sessions that timed out or failed in the environment are kept, but marked so
+    that the loss masks them out; a turn without token ids (a backend that gives
+    none) makes the rollout unusable for training (``error``)."""
+    status = str(getattr(result, "status", "error"))
+    turns = [turn_from(t) for t in getattr(result, "turns", []) or []]
+    r = Rollout(
+        task_id=str(getattr(result, "task_id", "")),
+        group=group,
+        index=index,
+        reward=float(getattr(result, "reward", 0.0)),
+        resolved=bool(getattr(result, "resolved", False)),
+        turns=[t for t in turns if t is not None],
+        duration_s=float((getattr(result, "metrics", {}) or {}).get("wall_s", 0.0)),
+        error=str(getattr(result, "error", "") or ""),
+    )
+    metrics = getattr(result, "metrics", {}) or {}
+    r.stats = {ours: float(metrics.get(theirs, 0.0)) for theirs, ours in METRIC_KEYS.items()}
+    if status == "timeout":
+        r.status = "timeout"
+    elif status not in OK_STATUSES:
+        r.status = "error"
+        r.error = r.error or status
+    elif any(t is None for t in turns):
+        r.status = "error"
+        r.error = "the sampler gave no token ids for a turn"
+    return r
+
+
+def task_cycle(tasks: Sequence[Any], *, seed: int, skip: int = 0) -> Iterator[Any]:
+    """Tasks forever, reshuffled each epoch (deterministic, so resume can skip ahead)."""
+    if not tasks:
+        raise ConfigError("the task set is empty")
+
+    def gen() -> Iterator[Any]:
+        for epoch in itertools.count():
+            order = list(tasks)
+            random.Random(seed + epoch).shuffle(order)
+            yield from order
+
+    return itertools.islice(gen(), skip, None)
+
+
+class _Counter:
+    """Wraps an iterator and counts what was taken (the resume cursor)."""
+
+    def __init__(self, it: Iterator[Any], start: int = 0) -> None:
+        self.it, self.n = it, start
+
+    def __iter__(self) -> _Counter:
+        return self
+
+    def __next__(self) -> Any:
+        self.n += 1
+        return next(self.it)
+
+
+# -- building the pieces -----------------------------------------------------------------
+
+
+def model_folder(cfg: TrainConfig, out: Path) -> Path:
+    path = cfg.model.path
+    if path == "smollm2":
+        from opencomposer.agent.backends.smollm2 import smollm2_path
+
+        folder = Path(smollm2_path())
+    else:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"model.path {path!r} is not a folder")
+    if cfg.model.moe_experts > 0:
+        from opencomposer.training.upcycle import upcycle
+
+        target = out / "upcycled"
+        if not (target / "config.json").exists():
+            upcycle(folder, target, num_experts=cfg.model.moe_experts, top_k=cfg.model.moe_top_k)
+        folder = target
+    return folder
+
+
+def trainer_config(cfg: TrainConfig) -> TrainerConfig:
+    a, o = cfg.algo, cfg.optim
+    return TrainerConfig(
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        grad_clip=o.grad_clip,
+        micro_batch_size=o.micro_batch_size,
+        precision=cfg.model.precision,
+        loss=LossConfig(
+            clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, aggregation=a.aggregation
+        ),
+    )
+
+
+def make_sampler(cfg: TrainConfig, folder: Path) -> VersionedModel:
+    from opencomposer.agent.backends import make_model
+
+    kw: dict[str, Any] = {}
+    if cfg.model.sampler == "vllm":
+        kw["kv_cache_gib"] = cfg.model.kv_cache_gib
+    inner = make_model(f"{cfg.model.sampler}:{folder}", **kw)
+    if hasattr(inner, "reload_weights"):
+        return VersionedModel(inner)
+    # the hf: backend has no reload_weights: copy into its (lazily loaded) module
+    return VersionedModel(inner, ModuleReceiver(lambda: inner._model))
+
+
+def session_config(cfg: TrainConfig, *, temperature: float | None = None) -> Any:
+    from opencomposer.agent.protocols import Sampling
+    from opencomposer.agent.session import SessionConfig
+
+    r = cfg.rollout
+    return SessionConfig(
+        approve=r.approve,
+        max_turns=r.max_turns,
+        max_completion_tokens=r.max_completion_tokens,
+        sampling=Sampling(
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+        ),
+        emit_deltas=False,
+    )
+
+
+# -- the loop -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """The pieces of one run; ``train`` builds them, tests pass their own."""
+
+    config: TrainConfig
+    out: Path
+    trainer: Trainer
+    sampler: Any  # VersionedModel (has reload_weights and weight_version)
+    episode: Callable[[Any, Any], Any]  # async (task, session_config) -> Rollout
+    tasks: Sequence[Any]
+    heldout: Sequence[Any] = ()
+
+
+async def evaluate(run: Run, *, samples: int) -> dict[str, float]:
+    """Mean reward and resolve rate on the held-out tasks under the current weights."""
+    if not run.heldout:
+        return {}
+    cfg = session_config(run.config, temperature=run.config.tasks.eval_temperature)
+    rollouts = await asyncio.gather(
+        *(run.episode(t, cfg) for t in run.heldout for _ in range(samples))
+    )
+    s = rollout_summary(list(rollouts))
+    return {"heldout_reward": s["reward_mean"], "heldout_resolve_rate": s["resolve_rate"]}
+
+
+async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
+    cfg = run.config
+    out = run.out
+    out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out / "metrics.jsonl")
+    steps = cfg.run.steps if max_steps is None else max_steps
+    start_step, cursor = 0, 0
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:
+        extra = run.trainer.load(ckpt)
+        start_step, cursor = int(extra.get("step", 0)), int(extra.get("task_cursor", 0))
+        log.truncate_after(start_step)
+        sync = WeightSync(run.sampler)
+        await sync.push(run.trainer.named_weights(), run.trainer.version)
+        print(
+            f"resumed from {ckpt} (step {start_step}, weight version {run.trainer.version})",
+            flush=True,
+        )
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    sync = WeightSync(run.sampler, max_lag=0)
+    tasks = _Counter(task_cycle(run.tasks, seed=cfg.run.seed, skip=cursor), cursor)
+    scfg = session_config(cfg)
+    r = cfg.rollout
+
+    async def episode(task: Any, group: int, index: int) -> Rollout:
+        ro = await run.episode(task, scfg)
+        ro.group, ro.index = group, index
+        return ro
+
+    scheduler = RolloutScheduler(
+        tasks=tasks,
+        episode=episode,
+        version=lambda: run.trainer.version,
+        config=SchedulerConfig(
+            group_size=r.group_size,
+            groups_per_step=r.groups_per_step,
+            mode=r.mode,
+            max_inflight=r.max_inflight,
+            extra_per_group=r.extra_per_group,
+            max_staleness=r.max_staleness,
+            episode_timeout_s=r.episode_timeout_s,
+        ),
+    )
+    progress = Progress(steps, enabled=cfg.run.progress)
+    try:
+        if start_step == 0 and run.heldout:
+            ev = await evaluate(run, samples=cfg.tasks.eval_samples)
+            log.write({"step": 0, "weight_version": run.trainer.version, "reward_mean": None, **ev})
+        for step in range(start_step + 1, steps + 1):
+            t0 = time.perf_counter()
+            groups: list[Group] = await scheduler.next_groups()
+            t1 = time.perf_counter()
+            samples, bstats = build_samples(groups, estimator=cfg.algo.estimator)
+            bstats.groups_dropped_stale = scheduler.dropped_stale
+            train = await asyncio.to_thread(run.trainer.step, samples)
+            t2 = time.perf_counter()
+            sync_s = 0.0
+            if not train.get("skipped"):
+                sync_s = (await sync.push(run.trainer.named_weights(), run.trainer.version)).seconds
+            extra: dict[str, Any] = {
+                "groups_dropped_stale": scheduler.dropped_stale,
+                "aborted_turns": getattr(run.sampler, "aborted_turns", 0),
+            }
+            if (
+                run.heldout
+                and cfg.tasks.eval_every
+                and (step % cfg.tasks.eval_every == 0 or step == steps)
+            ):
+                extra.update(await evaluate(run, samples=cfg.tasks.eval_samples))
+            m = step_metrics(
+                step=step,
+                weight_version=run.trainer.version,
+                groups=groups,
+                batch=bstats,
+                train=train,
+                times={"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": sync_s},
+                extra=extra,
+            )
+            log.write(m)
+            progress.update(m)
+            if cfg.run.checkpoint_every and (step % cfg.run.checkpoint_every == 0 or step == steps):
+                run.trainer.save(
+                    out / "checkpoints" / f"step_{step}",
+                    extra={"step": step, "task_cursor": tasks.n},
+                )
+    finally:
+        await scheduler.close()
+    plot_metrics(out / "metrics.jsonl", out)
+    return out
+
+
+async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: bool) -> Path:
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+    from opencomposer.training.tasks import TaskError, load_suite
+
+    try:
+        tasks = load_suite(cfg.tasks.suite)
+        heldout = load_suite(cfg.tasks.heldout) if cfg.tasks.heldout else []
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    if not tasks:
+        raise ConfigError(f"task suite {cfg.tasks.suite!r} is empty")
+    folder = model_folder(cfg, out)
+    trainer = Trainer.from_pretrained(
+        folder, trainer_config(cfg), with_reference=cfg.algo.kl_coef > 0
+    )
+    sampler = make_sampler(cfg, folder)
+    env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
+    await env.start()
+
+    async def episode(task: Any, scfg: Any) -> Rollout:
+        res = env.run_episode(task, model_spec_or_factory=sampler, session_config=scfg)
+        if inspect.isawaitable(res):
+            res = await res
+        return rollout_from_episode(res)
+
+    run = Run(
+        config=cfg,
+        out=out,
+        trainer=trainer,
+        sampler=sampler,
+        episode=episode,
+        tasks=tasks,
+        heldout=heldout,
+    )
+    try:
+        if sft:
+            from opencomposer.training.sft import run_sft
+
+            return await run_sft(run, max_steps=max_steps)
+        return await run_loop(run, max_steps=max_steps)
+    finally:
+        await env.close()
+        await sampler.close()
+
+
+def train(
+    config_path: Path, *, max_steps: int | None = None, out: Path | None = None, sft: bool = False
+) -> Path:
+    """The CLI entry point: returns the run folder (metrics.jsonl, plots, checkpoints)."""
+    cfg = load_config(Path(config_path))
+    if max_steps is not None and max_steps < 0:
+        raise ConfigError("--max-steps must be >= 0")
+    run_dir = Path(out) if out is not None else Path(cfg.run.out)
+    if sft:
+        run_dir = run_dir / "sft" if out is None else run_dir
+    return asyncio.run(_train_async(cfg, run_dir, max_steps, sft))

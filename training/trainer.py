@@ -1,0 +1,315 @@
+"""The PyTorch trainer: one optimizer step on a batch of token-exact samples.
+
+A ``Sample`` (``rollouts.Sample``) is a token sequence, a mask that is 1 on the
+tokens the model generated, the sampler's logprob of each of those tokens and the
+rollout's advantage. ``Trainer.step`` packs the samples into micro-batches,
+accumulates the gradient of ``loss.policy_loss`` (normalised by the step's total
+token count, so accumulation equals the full-batch loss), clips the global norm,
+and takes an AdamW step.
+
+Precision: master weights and AdamW state stay fp32; the forward and backward run
+under bf16 autocast (on CPU as on GPU — the same code path; only the device
+differs). ``precision = "mxfp8"`` swaps linear layers for the MXFP8 training
+kernels of ``opencomposer.kernels.mx`` before the optimizer is built.
+
+Faults: a step whose loss or gradient norm is not finite is skipped — gradients
+are dropped, the optimizer is not stepped, the weights and the version stay.
+
+Checkpoints are a Hugging Face folder (so vLLM can load it) plus
+``trainer_state.pt`` (optimizer, step, version, RNG); ``Trainer.load`` resumes.
+
+Run the tests: ``.venv/bin/python -m pytest tests/training/test_trainer.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from opencomposer.training.loss import LossConfig, policy_loss, token_logprobs_and_entropy
+
+if TYPE_CHECKING:
+    from opencomposer.training.rollouts import Sample
+
+Precision = Literal["bf16", "fp32", "mxfp8"]
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4  # sequences per forward/backward
+    precision: Precision = "bf16"
+    device: str = "cpu"
+    loss: LossConfig = field(default_factory=LossConfig)
+    gradient_checkpointing: bool = False
+
+
+class Trainer:
+    """Owns the policy, its optimizer, the step counter and the weight version."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        *,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.precision == "mxfp8":
+            from opencomposer.kernels.mx import to_mxfp8_training
+
+            model = to_mxfp8_training(model) or model
+        self.model = model.to(self.device, dtype=torch.float32)
+        self.model.train()
+        if config.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.to(self.device).eval().requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.step_count = 0
+        self.version = 0  # bumps once per applied (non-skipped) step
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Path | str, config: TrainerConfig, *, with_reference: bool = False
+    ) -> Trainer:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        ref = None
+        if with_reference:
+            ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+        return cls(model, config, ref_model=ref)
+
+    # -- the step ------------------------------------------------------------------
+
+    def _autocast(self):
+        enabled = self.config.precision in ("bf16", "mxfp8")
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _micro_batches(self, samples: Sequence[Sample]) -> Iterator[dict[str, torch.Tensor]]:
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+        mb = max(1, self.config.micro_batch_size)
+        for start in range(0, len(order), mb):
+            batch = [samples[i] for i in order[start : start + mb]]
+            width = max(len(s.input_ids) for s in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attn = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width)
+            old = torch.zeros(len(batch), width)
+            for row, s in enumerate(batch):
+                n = len(s.input_ids)
+                ids[row, :n] = torch.tensor(s.input_ids)
+                attn[row, :n] = 1
+                mask[row, :n] = torch.tensor(s.mask, dtype=torch.float32)
+                old[row, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+            adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+            yield {
+                "ids": ids.to(self.device),
+                "attn": attn.to(self.device),
+                # position i predicts token i+1: shift the per-token arrays left by one
+                "mask": mask[:, 1:].to(self.device),
+                "old": old[:, 1:].to(self.device),
+                "adv": adv.to(self.device),
+            }
+
+    def _logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]):
+        with self._autocast():
+            logits = model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits  # [B, T, V]
+        return token_logprobs_and_entropy(logits[:, :-1], mb["ids"][:, 1:])
+
+    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step over ``samples``; returns the step's statistics."""
+        t0 = time.perf_counter()
+        self.step_count += 1
+        stats: dict[str, float] = {"samples": float(len(samples)), "skipped": 0.0}
+        num_tokens = float(sum(sum(s.mask[1:]) for s in samples))
+        if not samples or num_tokens == 0:
+            stats.update(skipped=1.0, loss=0.0, grad_norm=0.0, train_s=time.perf_counter() - t0)
+            return stats
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss = 0.0
+        agg: dict[str, float] = {}
+        entropy_sum = 0.0
+        finite = True
+        for mb in self._micro_batches(samples):
+            logprobs, entropy = self._logprobs(self.model, mb)
+            ref = None
+            if self.ref_model is not None and self.config.loss.kl_coef:
+                with torch.no_grad():
+                    ref, _ = self._logprobs(self.ref_model, mb)
+            loss, mstats = policy_loss(
+                logprobs,
+                mb["old"],
+                mb["adv"],
+                mb["mask"],
+                config=self.config.loss,
+                ref_logprobs=ref,
+                num_tokens=num_tokens,
+                num_sequences=float(len(samples)),
+            )
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            total_loss += float(loss.detach())
+            w = mstats["tokens"] / num_tokens
+            for k in ("ratio_mean", "clip_frac", "kl_old", "kl_ref"):
+                agg[k] = agg.get(k, 0.0) + mstats[k] * w
+            entropy_sum += float((entropy * mb["mask"]).sum())
+        grad_norm = float("nan")
+        if finite:
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            )
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.version += 1
+        else:
+            stats["skipped"] = 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.update(agg)
+        stats.update(
+            loss=total_loss if finite else float("nan"),
+            grad_norm=grad_norm,
+            entropy=entropy_sum / num_tokens,
+            train_tokens=num_tokens,
+            train_s=time.perf_counter() - t0,
+        )
+        return stats
+
+    def sft_step(self, samples: Sequence[Sample], *, lr: float | None = None) -> dict[str, float]:
+        """One supervised step: mean negative log-likelihood of the masked tokens."""
+        t0 = time.perf_counter()
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        num_tokens = float(sum(sum(s.mask[1:]) for s in samples))
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in self._micro_batches(samples):
+            logprobs, _ = self._logprobs(self.model, mb)
+            loss = -(logprobs * mb["mask"]).sum() / max(num_tokens, 1.0)
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return {"loss": float("nan"), "skipped": 1.0, "train_s": time.perf_counter() - t0}
+            loss.backward()
+            total += float(loss.detach())
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        )
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.config.lr
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "skipped": float(skipped),
+            "train_tokens": num_tokens,
+            "train_s": time.perf_counter() - t0,
+        }
+
+    # -- weights and checkpoints -----------------------------------------------------
+
+    def named_weights(
+        self, dtype: torch.dtype = torch.bfloat16
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights, by the Hugging Face names vLLM loads, cast for the sampler."""
+        for name, t in self.model.state_dict().items():
+            yield name, t.detach().to(dtype)
+
+    def save(self, folder: Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """Write a loadable HF folder plus the trainer state; returns ``folder``."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if hasattr(self.model, "save_pretrained"):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            self.model.save_pretrained(str(folder), safe_serialization=True)
+        else:
+            torch.save(self.model.state_dict(), folder / "model.pt")
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step_count,
+            "version": self.version,
+            "rng": torch.get_rng_state(),
+            "extra": extra or {},
+        }
+        tmp = folder / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(
+            folder / STATE_FILE
+        )  # the state file last: its presence marks a whole checkpoint
+        return folder
+
+    def load(self, folder: Path) -> dict[str, Any]:
+        """Restore weights, optimizer, step and version from ``folder``; returns ``extra``."""
+        if (folder / "model.pt").exists():
+            self.model.load_state_dict(torch.load(folder / "model.pt", map_location=self.device))
+        else:
+            from safetensors.torch import load_file
+
+            weights: dict[str, torch.Tensor] = {}
+            for f in sorted(folder.glob("*.safetensors")):
+                weights.update(load_file(str(f), device=str(self.device)))
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+            real_missing = [m for m in missing if not m.endswith("lm_head.weight")]
+            if real_missing or unexpected:
+                raise ValueError(
+                    f"checkpoint {folder} does not match the model: {real_missing[:3]} {unexpected[:3]}"
+                )
+            if hasattr(self.model, "tie_weights"):
+                self.model.tie_weights()
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["rng"])
+        return dict(state.get("extra") or {})
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``run_dir/checkpoints`` (one with its state file)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step_*") if (p / STATE_FILE).exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64) -> torch.nn.Module:
+    """A tiny random Llama (two layers, width 32): the test double for trainer code paths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
