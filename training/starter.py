@@ -24,8 +24,10 @@ task id, so it is stable as the suite grows), for the RL loop's learning curve:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -35,6 +37,7 @@ from pathlib import Path
 from opencomposer.training.tasks import ANSWER_FILE, write_task
 
 VERSION = 1
+SOLUTION = "solution.json"  # {"answer": str, "edits": [{"path", "old", "new"}]}
 DEFAULT_SEED = 0
 DEFAULT_PER_KIND = 12
 
@@ -126,12 +129,18 @@ def _write_files(files: dict[str, str]) -> Path:
     return root
 
 
-def _task(out: Path, task_id: str, files: dict[str, str], **kw: object) -> Path:
+def _task(
+    out: Path, task_id: str, files: dict[str, str], solution: dict[str, object], **kw: object
+) -> Path:
+    """Write the task, plus `solution.json` beside it (never inside repo.tar): the
+    reference answer and edits, for tests, oracle rollouts and warm-start data."""
     root = _write_files(files)
     try:
-        return write_task(out, repo_dir=root, split=split_of(task_id), source="starter", **kw)  # type: ignore[arg-type]
+        path = write_task(out, repo_dir=root, split=split_of(task_id), source="starter", **kw)  # type: ignore[arg-type]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    (path / SOLUTION).write_text(json.dumps(solution, indent=1, sort_keys=True) + "\n")
+    return path
 
 
 # ---------------------------------------------------------------- find a value
@@ -154,10 +163,12 @@ def _find_task(rng: random.Random, out: Path, task_id: str) -> Path:
     name, value = names[target], values[target]
     where = "config/settings.py" if target < 2 else "config/limits.toml"
     key = name if target < 2 else name.lower()
+    solution = {"answer": f"{key} is {value}.", "edits": []}
     return _task(
         out,
         task_id,
         files,
+        solution,
         query=f"What is the value of {key} in this project's configuration? Reply with the number.",
         verify=f"grep -qw {value} {ANSWER_FILE}",
         timeout_s=120,
@@ -209,10 +220,17 @@ def _fix_task(rng: random.Random, out: Path, task_id: str) -> Path:
         f"tests/test_{mod}.py fails: `assert {call} == {expected!r}` raises AssertionError. "
         f"Fix the bug in {mod}.py (one line) so the test passes."
     )
+    old_line = body.format(fn=fn, op=bad).splitlines()[1]
+    new_line = body.format(fn=fn, op=good).splitlines()[1]
+    solution = {
+        "answer": "Fixed.",
+        "edits": [{"path": f"{mod}.py", "old": old_line, "new": new_line}],
+    }
     return _task(
         out,
         task_id,
         files,
+        solution,
         query=query,
         verify=f"python tests/test_{mod}.py",
         timeout_s=180,
@@ -246,10 +264,18 @@ def _rename_task(rng: random.Random, out: Path, task_id: str) -> Path:
         f"! grep -rqw {old} --include=*.py . && "
         f"python -c 'from {pkg}.base import {new}; from {pkg}.api import run; assert run(1) == 3; import {pkg}.cli'"
     )
+    solution = {
+        "answer": "Renamed.",
+        "edits": [
+            {"path": p, "old": files[p], "new": re.sub(rf"\b{old}\b", new, files[p])}
+            for p in users
+        ],
+    }
     return _task(
         out,
         task_id,
         files,
+        solution,
         query=f"Rename the function `{old}` to `{new}` everywhere in the project (definition and every use).",
         verify=verify,
         timeout_s=240,
