@@ -1,0 +1,419 @@
+-- opencomposer for Neovim: the agent of `opencomposer serve` inside the editor.
+--
+--   require("opencomposer").setup{}            -- starts the server for the cwd
+--   :OpenComposerAsk fix the failing test      -- or select lines, then :'<,'>OpenComposerAsk
+--   :OpenComposerCancel   :OpenComposerSearch retry logic   :OpenComposerUndo
+--
+-- The session streams into a split; the agent's edits arrive as LSP
+-- workspace/applyEdit and land in buffers (u undoes them); buffers that had no
+-- unsaved changes are written, so the agent's commands see the new text;
+-- commands that need approval are offered through vim.ui.select.
+-- Works on Neovim 0.7 and later (only 0.7 APIs are used).
+
+local M = {}
+
+local defaults = {
+  cmd = { "opencomposer", "serve", "--stdio" },
+  model = nil, -- a --model spec; nil: the server's default
+  root = nil, -- workspace folder; nil: the current directory
+  approve = "safe", -- none | safe | all
+  save_edits = true, -- write buffers the agent changed if they had no unsaved changes
+  split = "botright vsplit", -- how the session window opens
+  autostart = true,
+}
+
+M.config = vim.deepcopy(defaults)
+M.state = {
+  client_id = nil,
+  session_id = nil, -- the latest session
+  running = {}, -- session_id -> true while it runs
+  results = {}, -- session_id -> the ask result
+  buf = nil, -- the session buffer
+}
+
+local EMPTY = vim.empty_dict()
+
+local function notify(msg, level)
+  vim.notify("opencomposer: " .. msg, level or vim.log.levels.INFO)
+end
+
+-- -- the session split ---------------------------------------------------------
+
+local function session_buf()
+  local buf = M.state.buf
+  if buf and vim.api.nvim_buf_is_valid(buf) then
+    return buf
+  end
+  buf = vim.api.nvim_create_buf(false, true)
+  vim.api.nvim_buf_set_name(buf, "opencomposer://session")
+  vim.api.nvim_buf_set_option(buf, "filetype", "opencomposer")
+  vim.api.nvim_buf_set_option(buf, "bufhidden", "hide")
+  M.state.buf = buf
+  return buf
+end
+
+local function show_split()
+  local buf = session_buf()
+  for _, win in ipairs(vim.api.nvim_list_wins()) do
+    if vim.api.nvim_win_get_buf(win) == buf then
+      return
+    end
+  end
+  local current = vim.api.nvim_get_current_win()
+  vim.cmd(M.config.split)
+  vim.api.nvim_win_set_buf(0, buf)
+  vim.api.nvim_set_current_win(current)
+end
+
+local function append(lines, continue_last)
+  local buf = session_buf()
+  local count = vim.api.nvim_buf_line_count(buf)
+  local last = vim.api.nvim_buf_get_lines(buf, count - 1, count, false)[1] or ""
+  if continue_last then
+    lines[1] = last .. lines[1]
+    vim.api.nvim_buf_set_lines(buf, count - 1, count, false, lines)
+  elseif count == 1 and last == "" then
+    vim.api.nvim_buf_set_lines(buf, 0, 1, false, lines)
+  else
+    vim.api.nvim_buf_set_lines(buf, count, count, false, lines)
+  end
+  for _, win in ipairs(vim.api.nvim_list_wins()) do
+    if vim.api.nvim_win_get_buf(win) == buf then
+      vim.api.nvim_win_set_cursor(win, { vim.api.nvim_buf_line_count(buf), 0 })
+    end
+  end
+end
+
+local function brief(args)
+  local parts = {}
+  for k, v in pairs(args or {}) do
+    local s = type(v) == "string" and v or vim.inspect(v)
+    s = s:gsub("\n.*", "…")
+    if #s > 60 then
+      s = s:sub(1, 60) .. "…"
+    end
+    table.insert(parts, k .. "=" .. s)
+  end
+  table.sort(parts)
+  return table.concat(parts, " ")
+end
+
+-- Render one opencomposer/event (docs/lsp.md) into the split.
+function M.render(ev)
+  local t = ev.type
+  if t == "session_start" then
+    M.state.session_id = ev.session_id
+    M.state.running[ev.session_id] = true
+    append({ "", "# session " .. ev.session_id .. " (" .. tostring(ev.model) .. ")", "" })
+  elseif t == "model_delta" then
+    append(vim.split(ev.text, "\n", { plain = true }), true)
+  elseif t == "model_end" then
+    append({ "" })
+  elseif t == "message" and type(ev.text) == "string" and ev.text:sub(1, 1) == "[" then
+    append({ ev.text })
+  elseif t == "tool_start" then
+    append({ "▶ " .. ev.name .. " " .. brief(ev.args) })
+  elseif t == "tool_end" then
+    local mark = ev.status == "ok" and "✓" or "✗"
+    append({ string.format("  %s %s %.2fs", mark, ev.name, ev.duration_s or 0) })
+  elseif t == "edit" then
+    local lines = vim.split(ev.diff or "", "\n", { plain = true })
+    table.insert(lines, 1, "✎ " .. ev.path)
+    append(lines)
+  elseif t == "session_end" then
+    M.state.running[ev.session_id] = nil
+    append({
+      string.format("— %s: %d turns, %d tool calls, %.1fs", ev.status, ev.turns or 0, ev.tool_calls or 0, ev.duration_s or 0),
+      "  trace " .. tostring(ev.trace),
+    })
+  end
+end
+
+-- -- handlers for server requests ----------------------------------------------
+
+local function uri_set(edit)
+  local uris = {}
+  for _, change in ipairs(edit.documentChanges or {}) do
+    if change.textDocument then
+      uris[change.textDocument.uri] = true
+    elseif change.uri then
+      uris[change.uri] = true
+    end
+  end
+  for uri, _ in pairs(edit.changes or {}) do
+    uris[uri] = true
+  end
+  return uris
+end
+
+local function apply_edit(_, params, ctx)
+  local client = vim.lsp.get_client_by_id(ctx.client_id)
+  local clean = {}
+  for uri, _ in pairs(uri_set(params.edit)) do
+    local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
+    clean[uri] = bufnr == -1 or not vim.api.nvim_buf_is_loaded(bufnr) or not vim.api.nvim_buf_get_option(bufnr, "modified")
+  end
+  local ok, err = pcall(vim.lsp.util.apply_workspace_edit, params.edit, client and client.offset_encoding or "utf-16")
+  if not ok then
+    return { applied = false, failureReason = tostring(err) }
+  end
+  if M.config.save_edits then
+    for uri, was_clean in pairs(clean) do
+      local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
+      if was_clean and bufnr ~= -1 and vim.api.nvim_buf_is_loaded(bufnr) and vim.api.nvim_buf_get_option(bufnr, "modified") then
+        vim.api.nvim_buf_call(bufnr, function()
+          vim.cmd("silent! noautocmd write")
+        end)
+        -- tell the server the file is saved (noautocmd skipped the LSP hook)
+        if client and vim.lsp.buf_is_attached(bufnr, ctx.client_id) then
+          client.notify("textDocument/didSave", { textDocument = { uri = uri } })
+        end
+      end
+    end
+  end
+  return { applied = true }
+end
+
+-- window/showMessageRequest through vim.ui.select (approvals: Run / Always / Reject).
+local function message_request(_, params)
+  local actions = params.actions or {}
+  if #actions == 0 then
+    notify(params.message)
+    return vim.NIL
+  end
+  local choice, done = nil, false
+  vim.ui.select(actions, {
+    prompt = params.message,
+    format_item = function(item)
+      return item.title
+    end,
+  }, function(item)
+    choice, done = item, true
+  end)
+  if not done then -- an asynchronous vim.ui.select (telescope, dressing…)
+    vim.wait(600000, function()
+      return done
+    end, 50)
+  end
+  return choice or vim.NIL
+end
+
+local function show_document(_, params)
+  local fname = vim.uri_to_fname(params.uri)
+  if params.takeFocus then
+    vim.cmd("edit " .. vim.fn.fnameescape(fname))
+  else
+    vim.fn.bufload(vim.fn.bufadd(fname))
+  end
+  return { success = true }
+end
+
+local function on_event(_, ev)
+  if ev then
+    show_split()
+    M.render(ev)
+  end
+end
+
+-- -- the client ------------------------------------------------------------------
+
+local function client()
+  local id = M.state.client_id
+  local c = id and vim.lsp.get_client_by_id(id)
+  if not c then
+    notify("the server is not running (call require('opencomposer').setup{})", vim.log.levels.ERROR)
+  end
+  return c
+end
+
+local function attach(bufnr)
+  local id = M.state.client_id
+  if not id or vim.api.nvim_buf_get_option(bufnr, "buftype") ~= "" then
+    return
+  end
+  local name = vim.api.nvim_buf_get_name(bufnr)
+  local root = M.config.root
+  if name == "" or name:sub(1, #root + 1) ~= root .. "/" then
+    return
+  end
+  if not vim.lsp.buf_is_attached(bufnr, id) then
+    vim.lsp.buf_attach_client(bufnr, id)
+  end
+end
+
+function M.start()
+  if M.state.client_id and vim.lsp.get_client_by_id(M.state.client_id) then
+    return M.state.client_id
+  end
+  local cmd = vim.deepcopy(M.config.cmd)
+  if M.config.model then
+    table.insert(cmd, "--model")
+    table.insert(cmd, M.config.model)
+  end
+  local capabilities = vim.lsp.protocol.make_client_capabilities()
+  capabilities.workspace.workspaceEdit = capabilities.workspace.workspaceEdit or {}
+  capabilities.workspace.workspaceEdit.documentChanges = true
+  capabilities.window = capabilities.window or {}
+  capabilities.window.showDocument = { support = true }
+  M.state.client_id = vim.lsp.start_client({
+    name = "opencomposer",
+    cmd = cmd,
+    root_dir = M.config.root,
+    workspace_folders = { { uri = vim.uri_from_fname(M.config.root), name = "root" } },
+    capabilities = capabilities,
+    init_options = M.config.model and { model = M.config.model } or EMPTY,
+    handlers = {
+      ["opencomposer/event"] = on_event,
+      ["workspace/applyEdit"] = apply_edit,
+      ["window/showMessageRequest"] = message_request,
+      ["window/showDocument"] = show_document,
+    },
+    commands = {
+      -- the "Ask opencomposer about this selection" code action: let the user edit the query
+      ["opencomposer.ask"] = function(command)
+        local arg = (command.arguments or {})[1] or {}
+        vim.ui.input({ prompt = "Ask opencomposer: ", default = arg.query or "" }, function(query)
+          if query and query ~= "" then
+            arg.query = query
+            arg.prompt = nil
+            M.ask_with(arg)
+          end
+        end)
+      end,
+    },
+  })
+  for _, bufnr in ipairs(vim.api.nvim_list_bufs()) do
+    if vim.api.nvim_buf_is_loaded(bufnr) then
+      attach(bufnr)
+    end
+  end
+  return M.state.client_id
+end
+
+local function execute(command, argument, on_result)
+  local c = client()
+  if not c then
+    return
+  end
+  c.request("workspace/executeCommand", { command = command, arguments = { argument } }, function(err, result)
+    if err then
+      notify(command .. ": " .. (err.message or vim.inspect(err)), vim.log.levels.ERROR)
+      return
+    end
+    if on_result then
+      on_result(result)
+    end
+  end, 0)
+end
+
+-- -- commands ----------------------------------------------------------------------
+
+function M.ask_with(arg)
+  arg.approve = arg.approve or M.config.approve
+  show_split()
+  execute("opencomposer.ask", arg, function(result)
+    M.state.results[result.session_id] = result
+    M.state.last_result = result
+    append({ "", "## " .. result.status .. (result.answer ~= "" and (": " .. result.answer) or "") })
+  end)
+end
+
+function M.ask(query, range)
+  local bufnr = vim.api.nvim_get_current_buf()
+  local arg = { query = query }
+  if vim.api.nvim_buf_get_name(bufnr) ~= "" and vim.api.nvim_buf_get_option(bufnr, "buftype") == "" then
+    arg.uri = vim.uri_from_bufnr(bufnr)
+    if range then
+      local last = vim.api.nvim_buf_get_lines(bufnr, range[2] - 1, range[2], false)[1] or ""
+      arg.selection = {
+        start = { line = range[1] - 1, character = 0 },
+        ["end"] = { line = range[2] - 1, character = #last },
+      }
+    end
+  end
+  local open = {}
+  for _, b in ipairs(vim.api.nvim_list_bufs()) do
+    if vim.api.nvim_buf_is_loaded(b) and vim.api.nvim_buf_get_option(b, "buftype") == "" and vim.api.nvim_buf_get_name(b) ~= "" then
+      table.insert(open, vim.uri_from_bufnr(b))
+    end
+  end
+  if #open > 0 then
+    arg.open_files = open
+  end
+  M.ask_with(arg)
+end
+
+function M.cancel(session_id)
+  execute("opencomposer.cancel", session_id and { session_id = session_id } or EMPTY, function(result)
+    notify("cancelled " .. #(result.cancelled or {}) .. " session(s)")
+  end)
+end
+
+function M.search(query)
+  execute("opencomposer.search", { query = query, k = 20 }, function(hits)
+    local items = {}
+    for _, h in ipairs(hits or {}) do
+      local first = vim.split(h.text or "", "\n", { plain = true })[1] or ""
+      table.insert(items, {
+        filename = M.config.root .. "/" .. h.path,
+        lnum = h.start_line,
+        end_lnum = h.end_line,
+        text = string.format("%.3f %s", h.score, first),
+      })
+    end
+    vim.fn.setqflist({}, " ", { title = "opencomposer: " .. query, items = items })
+    vim.cmd("copen")
+  end)
+end
+
+function M.undo(session_id)
+  session_id = session_id or M.state.session_id
+  if not session_id then
+    notify("no session to undo", vim.log.levels.WARN)
+    return
+  end
+  execute("opencomposer.undo", { session_id = session_id }, function(result)
+    notify("reverted " .. table.concat(result.reverted or {}, ", "))
+  end)
+end
+
+function M.setup(opts)
+  M.config = vim.tbl_deep_extend("force", vim.deepcopy(defaults), opts or {})
+  M.config.root = vim.fn.fnamemodify(M.config.root or vim.fn.getcwd(), ":p"):gsub("/$", "")
+
+  vim.api.nvim_create_user_command("OpenComposerAsk", function(o)
+    local range = o.range > 0 and { o.line1, o.line2 } or nil
+    if o.args ~= "" then
+      M.ask(o.args, range)
+    else
+      vim.ui.input({ prompt = "Ask opencomposer: " }, function(query)
+        if query and query ~= "" then
+          M.ask(query, range)
+        end
+      end)
+    end
+  end, { nargs = "*", range = true, desc = "Ask the opencomposer agent" })
+  vim.api.nvim_create_user_command("OpenComposerCancel", function()
+    M.cancel()
+  end, { desc = "Stop the running opencomposer sessions" })
+  vim.api.nvim_create_user_command("OpenComposerSearch", function(o)
+    M.search(o.args)
+  end, { nargs = "+", desc = "Semantic code search into the quickfix list" })
+  vim.api.nvim_create_user_command("OpenComposerUndo", function(o)
+    M.undo(o.args ~= "" and o.args or nil)
+  end, { nargs = "?", desc = "Revert the edits of the last (or a given) session" })
+
+  local group = vim.api.nvim_create_augroup("opencomposer", { clear = true })
+  vim.api.nvim_create_autocmd({ "BufReadPost", "BufNewFile", "BufEnter" }, {
+    group = group,
+    callback = function(ev)
+      attach(ev.buf)
+    end,
+  })
+  if M.config.autostart then
+    M.start()
+  end
+  return M
+end
+
+return M
