@@ -1,0 +1,606 @@
+"""`opencomposer tui`: the agent in a terminal, as a client of the language server.
+
+The app starts `opencomposer serve` as a child over stdio (or connects over TCP) and
+speaks only LSP to it (`link.ServerLink`), so every behaviour is the server's and the
+TUI stays thin: it draws the event stream, applies edits the server sends, asks the
+user for approvals, and calls the `opencomposer.*` commands of `docs/lsp.md`.
+
+Run it:  opencomposer tui --workspace DIR --model scripted:turns.json
+or:      python -m opencomposer.clients.tui.app --workspace DIR --model smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opencomposer.clients.tui.link import LinkConfig, LinkError, ServerLink, server_command
+from opencomposer.clients.tui.prompt import PromptBar, PromptInput, workspace_files
+from opencomposer.clients.tui.screens import ApprovalScreen, LogScreen, SearchScreen, SessionsScreen
+from opencomposer.clients.tui.transcript import (
+    AssistantEntry,
+    DiffEntry,
+    NoteEntry,
+    ToolCard,
+    ToolGroup,
+    UserEntry,
+    fmt_duration,
+)
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widget import AwaitMount
+from textual.widgets import Footer, Static
+
+FLUSH_INTERVAL_S = 1 / 30
+SPIN_INTERVAL_S = 0.1
+
+
+@dataclass(kw_only=True)
+class SessionView:
+    """What the app tracks about the running (or last) session."""
+
+    query: str
+    session_id: str | None = None
+    turn: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    status: str = "starting"
+    progress: str = ""
+    assistant: dict[int, AssistantEntry] = field(default_factory=dict)
+    groups: dict[int, ToolGroup] = field(default_factory=dict)
+    cards: dict[str, ToolCard] = field(default_factory=dict)
+    diffs: list[DiffEntry] = field(default_factory=list)
+    answered: bool = False
+
+
+class ServerEvent(Message):
+    """An `opencomposer/event` notification, moved onto the app's message queue."""
+
+    def __init__(self, event: dict[str, Any]) -> None:
+        super().__init__()
+        self.event = event
+
+
+class ServerStopped(Message):
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+
+class ServerNote(Message):
+    def __init__(self, kind: str, text: str, path: Path | None = None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.text = text
+        self.path = path
+
+
+class StatusLine(Static):
+    """model · turn · tokens · elapsed · state, on one line."""
+
+
+class OpenComposerApp(App[int]):
+    """The terminal client. `command` overrides the server child (tests use it)."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "opencomposer"
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+f", "search", "Search"),
+        Binding("ctrl+o", "sessions", "Sessions"),
+        Binding("ctrl+g", "undo", "Undo edits"),
+        Binding("ctrl+r", "restart", "Restart server"),
+        Binding("ctrl+l", "log", "Log", show=False),
+        Binding("ctrl+t", "toggle_theme", "Light/dark", show=False),
+    ]
+
+    def __init__(
+        self,
+        *,
+        workspace: Path,
+        model: str,
+        tcp: str | None = None,
+        command: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        show_timings: bool = True,
+        approve: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.workspace = workspace.resolve()
+        self.model = model
+        self.tcp = tcp
+        self.command = list(command) if command else server_command(model)
+        self.env = env
+        self.show_timings = show_timings
+        self.approve = approve
+        self.link: ServerLink | None = None
+        self.connected = False
+        self.session: SessionView | None = None
+        self.sessions_seen: list[str] = []
+        self.log_lines: list[Text] = []
+        self.server_error: str | None = None
+        self.queued: list[tuple[DiffEntry, str]] = []
+
+    # -- layout -------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="transcript")
+        yield Static("", id="banner")
+        yield PromptBar(id="prompt-bar")
+        yield StatusLine("", id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#banner").display = False
+        self.query_one("#transcript", VerticalScroll).anchor()
+        self.query_one(PromptInput).focus()
+        self.set_interval(FLUSH_INTERVAL_S, self._flush_streams)
+        self.set_interval(SPIN_INTERVAL_S, self._tick)
+        self.set_interval(1.0, self._refresh_status)
+        self._load_files()
+        self._refresh_status()
+        self.connect()
+
+    @work(thread=True, exclusive=True, group="files")
+    def _load_files(self) -> None:
+        files = workspace_files(self.workspace)
+        self.call_from_thread(setattr, self.query_one(PromptInput), "files", files)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Codebase search", "Search the index (ctrl+f)", self.action_search)
+        yield SystemCommand(
+            "Sessions", "Browse traces, submit as training query (ctrl+o)", self.action_sessions
+        )
+        yield SystemCommand("Cancel session", "Stop the running session (esc)", self.action_cancel)
+        yield SystemCommand(
+            "Undo session edits", "Revert every edit of the last session (ctrl+g)", self.action_undo
+        )
+        yield SystemCommand(
+            "Restart server", "Start the language server again (ctrl+r)", self.action_restart
+        )
+        yield SystemCommand("Server log", "Messages the server logged (ctrl+l)", self.action_log)
+        yield SystemCommand(
+            "Light / dark",
+            "Switch between the light and dark theme (ctrl+t)",
+            self.action_toggle_theme,
+        )
+
+    # -- connection ---------------------------------------------------------------------
+
+    @work(exclusive=True, group="link")
+    async def connect(self) -> None:
+        self.connected = False
+        self.server_error = None
+        self._banner(None)
+        self._set_state("connecting")
+        config = LinkConfig(
+            workspace=self.workspace, command=self.command, tcp=self.tcp, env=self.env
+        )
+        link = ServerLink(config, self)
+        self.link = link
+        try:
+            await link.start()
+        except LinkError as exc:
+            self._server_down(str(exc))
+            return
+        self.connected = True
+        self._set_state("ready")
+
+    async def disconnect(self) -> None:
+        link, self.link = self.link, None
+        self.connected = False
+        if link is not None:
+            await link.stop()
+
+    async def action_restart(self) -> None:
+        self.server_error = None
+        await self.disconnect()
+        self.connect()
+
+    def _server_down(self, reason: str) -> None:
+        self.connected = False
+        self.server_error = reason
+        self._banner(f"⚠ {reason}\nPress ctrl+r to restart the language server.")
+        self._set_state("server stopped")
+        if self.session is not None and self.session.ended is None:
+            self.session.ended = time.monotonic()
+            self.session.status = "interrupted"
+
+    def _banner(self, text: str | None) -> None:
+        banner = self.query_one("#banner", Static)
+        banner.display = text is not None
+        banner.update(Text(text or ""))
+
+    async def on_unmount(self) -> None:
+        await self.disconnect()
+
+    # -- LinkUI: called by the link on this loop -----------------------------------------
+
+    def server_event(self, event: dict[str, Any]) -> None:
+        self.post_message(ServerEvent(event))
+
+    async def server_approval(self, message: str, actions: list[str]) -> str | None:
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+        def done(choice: str | None) -> None:
+            if not future.done():
+                future.set_result(choice)
+
+        self.push_screen(ApprovalScreen(message, actions), callback=done)
+        return await future
+
+    def server_progress(self, token: str, value: dict[str, Any]) -> None:
+        text = value.get("message") or value.get("title") or ""
+        if value.get("kind") == "end":
+            text = ""
+        self.post_message(ServerNote("progress", str(text)))
+
+    def server_show_document(self, path: Path) -> None:
+        self.post_message(ServerNote("show", "", path))
+
+    def server_log(self, level: int, message: str) -> None:
+        self.post_message(ServerNote(f"log{level}", message))
+
+    def server_edit_failed(self, message: str) -> None:
+        self.post_message(ServerNote("log1", f"could not apply an edit: {message}"))
+
+    def server_stopped(self, reason: str) -> None:
+        self.post_message(ServerStopped(reason))
+
+    def on_server_stopped(self, message: ServerStopped) -> None:
+        self._server_down(message.reason)
+
+    def on_server_note(self, message: ServerNote) -> None:
+        if message.kind == "progress":
+            if self.session is not None:
+                self.session.progress = message.text
+                self._refresh_status()
+        elif message.kind == "show" and message.path is not None:
+            self._reveal(message.path)
+        elif message.kind.startswith("log"):
+            level = int(message.kind[3:] or 4)
+            style = {1: "red", 2: "yellow"}.get(level, "")
+            self.log_lines.append(Text(message.text, style=style))
+            del self.log_lines[:-2000]
+            if level == 1:
+                self.notify(message.text, severity="error", markup=False)
+
+    def _reveal(self, path: Path) -> None:
+        if self.session is None:
+            return
+        for entry in reversed(self.session.diffs):
+            if (self.workspace / entry.path).resolve() == path.resolve():
+                self.query_one("#transcript", VerticalScroll).scroll_to_widget(entry, animate=False)
+                return
+
+    # -- sessions ------------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    def submitted(self, message: PromptInput.Submitted) -> None:
+        text = message.text.strip()
+        if not text:
+            self.notify("Type a request first.", severity="warning")
+            return
+        if not self.connected or self.link is None:
+            self.notify(
+                "The language server is not running (ctrl+r restarts it).", severity="error"
+            )
+            return
+        if self.session is not None and self.session.ended is None:
+            self.notify("A session is running; esc cancels it.", severity="warning")
+            return
+        self.session = SessionView(query=text)
+        self._mount(UserEntry(text))
+        self._set_state("thinking")
+        self.ask(self.session, text)
+
+    @work(group="ask")
+    async def ask(self, session: SessionView, text: str) -> None:
+        argument: dict[str, Any] = {"query": text, "reveal": True}
+        if self.approve:
+            argument["approve"] = self.approve
+        link = self.link
+        try:
+            assert link is not None
+            result = await link.command("opencomposer.ask", argument)
+        except LinkError as exc:
+            session.ended = session.ended or time.monotonic()
+            session.status = "error" if self.connected else "interrupted"
+            await self._mount(NoteEntry(f"✗ {exc}", "error"))
+            self._refresh_status()
+            self.queued.clear()
+            return
+        await self._flush_streams()
+        session.ended = session.ended or time.monotonic()
+        result = result if isinstance(result, dict) else {}
+        session.session_id = session.session_id or result.get("session_id")
+        session.status = str(result.get("status", session.status))
+        answer = str(result.get("answer") or "")
+        if answer and not session.answered:
+            entry = AssistantEntry(session.turn + 1)
+            await self._mount(entry)
+            await entry.finish(answer)
+        if result.get("error"):
+            await self._mount(NoteEntry(f"✗ {result['error']}", "error"))
+        self._refresh_status()
+        self._decide_queued()
+
+    async def on_server_event(self, message: ServerEvent) -> None:
+        event = message.event
+        session = self.session
+        kind = event.get("type")
+        sid = event.get("session_id")
+        if session is None or (session.session_id and sid and sid != session.session_id):
+            return
+        if kind == "session_start":
+            session.session_id = sid
+            self.sessions_seen.append(str(sid))
+        elif kind == "model_start":
+            session.turn = int(event.get("turn", session.turn + 1))
+            session.status = "thinking"
+        elif kind == "model_delta":
+            self._assistant(session, int(event.get("turn", session.turn))).add(
+                str(event.get("text", ""))
+            )
+        elif kind == "message":
+            entry = self._assistant(session, int(event.get("turn", session.turn)))
+            if not entry.is_mounted:
+                await self._mount(entry)
+            await entry.finish(str(event.get("text", "")))
+            session.answered = True
+        elif kind == "model_end":
+            session.prompt_tokens += int(event.get("prompt_tokens") or 0)
+            session.completion_tokens += int(event.get("completion_tokens") or 0)
+        elif kind == "tool_start":
+            self._tool_start(session, event)
+        elif kind == "tool_end":
+            card = session.cards.get(str(event.get("call_id")))
+            if card is not None:
+                result = event.get("result", event.get("output"))
+                card.finish(
+                    str(event.get("status", "ok")),
+                    event.get("duration_s"),
+                    None if result is None else str(result),
+                )
+            if not any(c.status is None for c in session.cards.values()):
+                session.status = "thinking"
+        elif kind == "edit":
+            self._edit(session, event)
+        elif kind == "session_end":
+            await self._flush_streams()
+            session.status = str(event.get("status", "done"))
+            session.ended = time.monotonic()
+            self._mount(
+                NoteEntry(
+                    self._summary(event),
+                    "ok" if session.status in ("ok", "completed") else "warn",
+                )
+            )
+        self._refresh_status()
+
+    def _summary(self, event: dict[str, Any]) -> str:
+        parts = [f"session {event.get('status', 'ended')}"]
+        if event.get("turns") is not None:
+            parts.append(f"{event['turns']} turns")
+        if event.get("tool_calls") is not None:
+            parts.append(f"{event['tool_calls']} tool calls")
+        if self.show_timings and event.get("duration_s") is not None:
+            parts.append(fmt_duration(float(event["duration_s"]), True))
+        return "■ " + " · ".join(parts)
+
+    def _assistant(self, session: SessionView, turn: int) -> AssistantEntry:
+        entry = session.assistant.get(turn)
+        if entry is None:
+            entry = AssistantEntry(turn)
+            session.assistant[turn] = entry
+            self._mount(entry)
+        return entry
+
+    def _tool_start(self, session: SessionView, event: dict[str, Any]) -> None:
+        turn = int(event.get("turn", session.turn))
+        name = str(event.get("name", "?"))
+        self._assistant(session, turn).filter.names.add(name)
+        group = session.groups.get(turn)
+        if group is None:
+            group = ToolGroup(turn)
+            session.groups[turn] = group
+            self._mount(group)
+        card = ToolCard(str(event.get("call_id")), name, event.get("args"), self.show_timings)
+        session.cards[card.call_id] = card
+        group.mount(card)
+        group.relayout()
+        session.status = "running tools"
+
+    def _edit(self, session: SessionView, event: dict[str, Any]) -> None:
+        path = str(event.get("path", "?"))
+        entry = DiffEntry(str(session.session_id or ""), path, str(event.get("diff", "")))
+        session.diffs.append(entry)
+        self._mount(entry)
+
+    def _mount(self, widget) -> AwaitMount:
+        return self.query_one("#transcript", VerticalScroll).mount(widget)
+
+    async def _flush_streams(self) -> None:
+        if self.session is not None:
+            for entry in list(self.session.assistant.values()):
+                await entry.flush()
+
+    def _tick(self) -> None:
+        if self.session is None or not self.show_timings:
+            return
+        for card in self.session.cards.values():
+            if card.status is None:
+                card.tick()
+
+    # -- edits ---------------------------------------------------------------------------
+
+    @on(DiffEntry.Decided)
+    def decided(self, message: DiffEntry.Decided) -> None:
+        session, entry = self.session, message.entry
+        if session is not None and session.ended is None:
+            # The server decides on finished sessions only: hold the choice until then.
+            self.queued.append((entry, message.decision))
+            entry.set_state(f"queued-{message.decision}")
+            return
+        self.decide(entry, message.decision)
+
+    @work(group="decide")
+    async def decide(self, entry: DiffEntry, decision: str) -> None:
+        if self.link is None or not self.connected:
+            self.notify("The language server is not running.", severity="error")
+            return
+        argument = {"session_id": entry.session_id, "path": entry.path, "decision": decision}
+        try:
+            await self.link.command("opencomposer.decide", argument)
+        except LinkError as exc:
+            self.notify(str(exc), severity="error", markup=False)
+            return
+        for other in self._diffs(entry.session_id):
+            if other.path == entry.path and other.state in ("pending", f"queued-{decision}"):
+                other.set_state(decision)
+
+    def _decide_queued(self) -> None:
+        queued, self.queued = self.queued, []
+        for entry, decision in queued:
+            self.decide(entry, decision)
+
+    def _diffs(self, session_id: str) -> list[DiffEntry]:
+        return [d for d in self.query(DiffEntry) if d.session_id == session_id]
+
+    @work(group="undo")
+    async def action_undo(self) -> None:
+        session = self.session
+        if session is None or not session.session_id or self.link is None:
+            self.notify("No session to undo.", severity="warning")
+            return
+        try:
+            result = await self.link.command(
+                "opencomposer.undo", {"session_id": session.session_id}
+            )
+        except LinkError as exc:
+            self.notify(str(exc), severity="error", markup=False)
+            return
+        reverted = (result or {}).get("reverted", []) if isinstance(result, dict) else []
+        for entry in self._diffs(session.session_id):
+            entry.set_state("reverted")
+        self.notify(f"Reverted {len(reverted)} file(s).", title="Undo")
+
+    # -- keys ------------------------------------------------------------------------------
+
+    @work(group="cancel")
+    async def action_cancel(self) -> None:
+        session = self.session
+        if session is None or session.ended is not None or self.link is None:
+            return
+        session.status = "cancelling"
+        self._refresh_status()
+        argument = {"session_id": session.session_id} if session.session_id else {}
+        try:
+            await self.link.command("opencomposer.cancel", argument)
+        except LinkError as exc:
+            self.notify(str(exc), severity="error", markup=False)
+
+    def action_search(self) -> None:
+        if not self.connected:
+            self.notify("The language server is not running.", severity="error")
+            return
+        self.push_screen(SearchScreen(self._run))
+
+    def action_sessions(self) -> None:
+        if not self.connected:
+            self.notify("The language server is not running.", severity="error")
+            return
+        self.push_screen(SessionsScreen(self._run))
+
+    def action_log(self) -> None:
+        self.push_screen(LogScreen(self.log_lines))
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
+
+    async def _run(self, name: str, argument: dict[str, Any]) -> Any:
+        if self.link is None:
+            raise LinkError("the language server is not running")
+        return await self.link.command(name, argument)
+
+    # -- status ----------------------------------------------------------------------------
+
+    def _set_state(self, state: str) -> None:
+        if self.session is not None and self.session.ended is None and state in ("thinking",):
+            self.session.status = state
+        self._state = state
+        self._refresh_status()
+
+    def _refresh_status(self) -> None:
+        try:
+            status = self.query_one("#status", StatusLine)
+        except Exception:
+            return
+        session = self.session
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(short_model(self.model), style="bold")
+        if session is not None:
+            text.append(f" · turn {session.turn}")
+            text.append(
+                f" · {_tokens(session.prompt_tokens)}↑ {_tokens(session.completion_tokens)}↓"
+            )
+            if self.show_timings:
+                end = session.ended or time.monotonic()
+                text.append(f" · {end - session.started:.0f}s")
+            state = session.status if session.ended or self.connected else self._state
+            if session.progress and session.ended is None:
+                state = session.progress
+            text.append(f" · {state}", style="italic")
+        else:
+            text.append(f" · {getattr(self, '_state', '')}", style="italic")
+        status.update(text)
+
+
+def short_model(spec: str) -> str:
+    """`scripted:/long/path/turns.json` → `scripted:turns.json`; other specs unchanged."""
+    kind, sep, rest = spec.partition(":")
+    if sep and ("/" in rest or "\\" in rest) and "#" not in rest:
+        return f"{kind}:{Path(rest).name}"
+    return spec
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def run(*, workspace: Path, model: str, tcp: str | None = None) -> int:
+    """Entry point for `opencomposer tui`; returns the process exit status."""
+    if not workspace.is_dir():
+        import sys
+
+        print(f"opencomposer tui: workspace {workspace} is not a folder", file=sys.stderr)
+        return 2
+    app = OpenComposerApp(workspace=workspace, model=model, tcp=tcp)
+    result = app.run()
+    return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opencomposer-tui", description=__doc__.splitlines()[0])
+    parser.add_argument("--workspace", type=Path, default=Path.cwd())
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--tcp", default=None, help="connect to a running server at HOST:PORT")
+    args = parser.parse_args(argv)
+    return run(workspace=args.workspace, model=args.model, tcp=args.tcp)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
