@@ -52,5 +52,9 @@ format: setup
 bench: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+vsix:
+	cd clients/vscode && npm ci --no-audit --no-fund && npm test && npm run package
+	@echo "built clients/vscode/opencomposer.vsix (code --install-extension clients/vscode/opencomposer.vsix)"
+
 clean:
 	rm -rf .venv build *.egg-info

@@ -1,0 +1,242 @@
+/**
+ * The extension's pure logic: no `vscode` import, so `node --test` covers it.
+ *
+ * `SessionStore` folds the server's `opencomposer/event` notifications
+ * (docs/lsp.md) into per-session state that the panel and the status bar show;
+ * `askArguments` builds the `opencomposer.ask` argument object from the editor's
+ * state; `diffLines` classifies a unified diff for display; `escapeHtml` keeps
+ * model text inert inside the webview.
+ */
+
+export type Event = { type: string; t: number; session_id: string; [key: string]: unknown };
+
+export interface ToolCall {
+  callId: string;
+  name: string;
+  args: Record<string, unknown>;
+  status: "running" | "ok" | "error";
+  durationS?: number;
+}
+
+export interface FileEdit {
+  path: string;
+  diff: string;
+  decision?: "accept" | "reject";
+}
+
+/** One item of the transcript, in order: streamed text, a tool call, an edit. */
+export type Item =
+  | { kind: "text"; turn: number; text: string }
+  | { kind: "tool"; call: ToolCall }
+  | { kind: "edit"; edit: FileEdit };
+
+export interface SessionState {
+  id: string;
+  query: string;
+  model: string;
+  status: string; // "running" until session_end
+  items: Item[];
+  edits: Map<string, FileEdit>; // latest edit per path
+  turns: number;
+  toolCalls: number;
+  durationS: number;
+  trace: string;
+  answer?: string;
+  lastActivity: string;
+}
+
+export class SessionStore {
+  readonly sessions = new Map<string, SessionState>();
+  private pendingQueries: string[] = [];
+
+  /** The query of the next session to start (the server names sessions, not us). */
+  expect(query: string): void {
+    this.pendingQueries.push(query);
+  }
+
+  get(id: string): SessionState | undefined {
+    return this.sessions.get(id);
+  }
+
+  running(): SessionState[] {
+    return [...this.sessions.values()].filter((s) => s.status === "running");
+  }
+
+  latest(): SessionState | undefined {
+    let last: SessionState | undefined;
+    for (const s of this.sessions.values()) last = s;
+    return last;
+  }
+
+  /** Fold one event in; returns the session it belongs to. */
+  apply(ev: Event): SessionState {
+    let s = this.sessions.get(ev.session_id);
+    if (!s) {
+      s = {
+        id: ev.session_id,
+        query: this.pendingQueries.shift() ?? "",
+        model: "",
+        status: "running",
+        items: [],
+        edits: new Map(),
+        turns: 0,
+        toolCalls: 0,
+        durationS: 0,
+        trace: "",
+        lastActivity: "starting",
+      };
+      this.sessions.set(ev.session_id, s);
+    }
+    switch (ev.type) {
+      case "session_start":
+        s.model = String(ev.model ?? "");
+        s.lastActivity = "started";
+        break;
+      case "model_start":
+        s.turns = Number(ev.turn);
+        s.lastActivity = `thinking (turn ${ev.turn})`;
+        break;
+      case "model_delta": {
+        const last = s.items[s.items.length - 1];
+        const turn = Number(ev.turn);
+        if (last && last.kind === "text" && last.turn === turn) last.text += String(ev.text);
+        else s.items.push({ kind: "text", turn, text: String(ev.text) });
+        break;
+      }
+      case "message":
+        // deltas carry the text; a message that starts with "[" is the session's own note (errors)
+        if (typeof ev.text === "string" && ev.text.startsWith("[")) {
+          s.items.push({ kind: "text", turn: Number(ev.turn), text: ev.text });
+        }
+        break;
+      case "tool_start": {
+        const call: ToolCall = {
+          callId: String(ev.call_id),
+          name: String(ev.name),
+          args: (ev.args as Record<string, unknown>) ?? {},
+          status: "running",
+        };
+        s.items.push({ kind: "tool", call });
+        s.toolCalls += 1;
+        s.lastActivity = `${call.name} ${summarizeArgs(call.args)}`.trim();
+        break;
+      }
+      case "tool_end": {
+        const call = findCall(s, String(ev.call_id));
+        if (call) {
+          call.status = ev.status === "ok" ? "ok" : "error";
+          call.durationS = Number(ev.duration_s);
+        }
+        break;
+      }
+      case "edit": {
+        const previous = s.edits.get(String(ev.path));
+        const edit: FileEdit = { path: String(ev.path), diff: String(ev.diff), decision: previous?.decision };
+        s.edits.set(edit.path, edit);
+        s.items.push({ kind: "edit", edit });
+        s.lastActivity = `edited ${edit.path}`;
+        break;
+      }
+      case "session_end":
+        s.status = String(ev.status);
+        s.turns = Number(ev.turns ?? s.turns);
+        s.toolCalls = Number(ev.tool_calls ?? s.toolCalls);
+        s.durationS = Number(ev.duration_s ?? 0);
+        s.trace = String(ev.trace ?? "");
+        s.lastActivity = s.status;
+        break;
+    }
+    return s;
+  }
+
+  /** Record the user's accept/reject of one file's edits. */
+  decide(sessionId: string, path: string, decision: "accept" | "reject"): void {
+    const s = this.sessions.get(sessionId);
+    const edit = s?.edits.get(path);
+    if (edit) edit.decision = decision;
+  }
+}
+
+function findCall(s: SessionState, callId: string): ToolCall | undefined {
+  for (let i = s.items.length - 1; i >= 0; i--) {
+    const item = s.items[i];
+    if (item.kind === "tool" && item.call.callId === callId) return item.call;
+  }
+  return undefined;
+}
+
+export function summarizeArgs(args: Record<string, unknown>, limit = 60): string {
+  const main = args.path ?? args.pattern ?? args.query ?? args.command ?? "";
+  const text = String(main).split("\n")[0];
+  return text.length > limit ? text.slice(0, limit - 1) + "…" : text;
+}
+
+/** The status-bar text for the current sessions. */
+export function statusText(store: SessionStore): string {
+  const running = store.running();
+  if (running.length === 0) return "$(sparkle) opencomposer";
+  if (running.length === 1) return `$(sync~spin) opencomposer: ${running[0].lastActivity}`;
+  return `$(sync~spin) opencomposer: ${running.length} sessions`;
+}
+
+export interface EditorState {
+  uri?: string;
+  selection?: { start: { line: number; character: number }; end: { line: number; character: number } };
+  openFiles?: string[];
+}
+
+/** The `opencomposer.ask` argument object (docs/lsp.md). */
+export function askArguments(
+  query: string,
+  editor: EditorState,
+  options: { model?: string; approve?: string } = {},
+): Record<string, unknown> {
+  const q = query.trim();
+  if (!q) throw new Error("the question is empty");
+  const arg: Record<string, unknown> = { query: q };
+  if (editor.uri) arg.uri = editor.uri;
+  const sel = editor.selection;
+  if (editor.uri && sel && (sel.start.line !== sel.end.line || sel.start.character !== sel.end.character)) {
+    arg.selection = sel;
+  }
+  if (editor.openFiles && editor.openFiles.length > 0) arg.open_files = editor.openFiles.slice(0, 50);
+  if (options.model) arg.model = options.model;
+  if (options.approve) arg.approve = options.approve;
+  return arg;
+}
+
+export type DiffLineKind = "add" | "del" | "hunk" | "meta" | "ctx";
+
+/** Classify the lines of a unified diff for colouring. */
+export function diffLines(diff: string): { kind: DiffLineKind; text: string }[] {
+  return diff
+    .split("\n")
+    .filter((line, i, all) => !(i === all.length - 1 && line === ""))
+    .map((text) => {
+      if (text.startsWith("+++") || text.startsWith("---")) return { kind: "meta" as const, text };
+      if (text.startsWith("@@")) return { kind: "hunk" as const, text };
+      if (text.startsWith("+")) return { kind: "add" as const, text };
+      if (text.startsWith("-")) return { kind: "del" as const, text };
+      return { kind: "ctx" as const, text };
+    });
+}
+
+export function escapeHtml(text: string): string {
+  return text
+    .replace(/&/g, "&amp;")
+    .replace(/</g, "&lt;")
+    .replace(/>/g, "&gt;")
+    .replace(/"/g, "&quot;")
+    .replace(/'/g, "&#39;");
+}
+
+/** Files whose edits were applied to documents that were clean (or closed) before. */
+export function filesToSave(touched: string[], dirtyBefore: Set<string>): string[] {
+  return touched.filter((uri) => !dirtyBefore.has(uri));
+}
+
+/** The session the panel's session-scoped commands act on: running first, else latest. */
+export function currentSession(store: SessionStore): SessionState | undefined {
+  const running = store.running();
+  return running.length > 0 ? running[running.length - 1] : store.latest();
+}
