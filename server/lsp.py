@@ -121,6 +121,14 @@ class IndexHandle:
             self._flush_queued = True
         self._pool.submit(self._flush)
 
+    def drop_buffer(self, key: str) -> None:
+        """The editor closed the file: the disk is the truth again."""
+        with self._lock:
+            self._pending.pop(key, None)
+            if self._index is None:
+                return
+        self._pool.submit(self._index.drop_buffer, key)
+
     def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
@@ -376,8 +384,10 @@ class ComposerServer(LanguageServer):
 
     def on_close(self, params: lsp.DidCloseTextDocumentParams) -> None:
         key = self._key(params.text_document.uri)
-        if key is not None:
+        if key is not None and self.root is not None:
             self.buffers.pop(key, None)
+            if self.root in self.shared.indexes:
+                self.shared.indexes[self.root].drop_buffer(key)
 
     def on_code_action(self, params: lsp.CodeActionParams) -> list[lsp.CodeAction] | None:
         r = params.range

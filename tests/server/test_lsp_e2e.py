@@ -417,3 +417,22 @@ def test_module_entry_rejects_a_bad_tcp_address():
     )
     assert out.returncode == 2 and "HOST:PORT" in out.stderr and "Traceback" not in out.stderr
     json.dumps(out.returncode)
+
+
+@pytest.mark.slow  # loads the MiniLM embedder and builds an index: ~10-60 s here
+async def test_search_sees_the_unsaved_buffer_through_the_index(spawn, repo, tmp_path):
+    editor = await spawn(scripted(tmp_path / "m.json", ["hi"]))
+    (repo / "retry.py").write_text("def backoff(attempt):\n    return min(30, 2 ** attempt)\n")
+    hits = await editor.command(
+        "opencomposer.search", {"query": "exponential backoff delay", "k": 3}, timeout=240
+    )
+    assert hits and hits[0]["path"] == "retry.py"
+    assert {"path", "start_line", "end_line", "score", "text"} <= set(hits[0])
+    uri = editor.open("calc.py")
+    editor.change(uri, CALC + "\n\ndef zebra_unicorn_total(xs):\n    return sum(xs)\n")
+    for _ in range(100):
+        hits = await editor.command("opencomposer.search", {"query": "zebra_unicorn_total", "k": 3})
+        if hits and "zebra_unicorn_total" in hits[0]["text"]:
+            break
+        await asyncio.sleep(0.1)
+    assert hits[0]["path"] == "calc.py" and "zebra_unicorn_total" in hits[0]["text"]
