@@ -1,0 +1,115 @@
+"""Tool-layer micro benchmarks: the fixed cost of one tool call.
+
+Measures, as medians over repeated runs in one process:
+- `read_file` of a 200-line file through `ToolSpec.validate` + `ToolSpec.run`
+  (target < 2 ms), against a bare `Path.read_text` as the baseline;
+- `run_terminal` with `true` in the bubblewrap sandbox (target < 50 ms), against
+  `true` as a plain asyncio subprocess (no sandbox) as the baseline;
+- how long after cancelling a sandboxed `sleep` its process is gone.
+
+Run: .venv/bin/python benchmarks/tools_micro.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from opencomposer.tools import specs
+from opencomposer.tools.protocols import SandboxConfig, ToolContext
+from opencomposer.tools.sandbox import run_sandboxed
+from opencomposer.tools.workspace import LocalWorkspace
+
+
+async def median_ms(fn, n: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def _alive(marker: str) -> bool:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "mod.py").write_text("".join(f"line_{i} = {i}\n" for i in range(200)))
+        ctx = ToolContext(workspace=LocalWorkspace(root), sandbox=SandboxConfig(timeout_s=30))
+        read = specs.get("read_file")
+        term = specs.get("run_terminal")
+
+        async def read_tool() -> None:
+            r = await read.run(
+                ctx, read.validate({"path": "mod.py", "start_line": "1", "end_line": "60"})
+            )
+            assert r.status == "ok"
+
+        async def read_plain() -> None:
+            (root / "mod.py").read_text()
+
+        async def terminal_tool() -> None:
+            r = await term.run(ctx, term.validate({"command": "true"}))
+            assert r.status == "ok", r.output
+
+        async def plain_true() -> None:
+            proc = await asyncio.create_subprocess_exec("true")
+            await proc.wait()
+
+        await read_tool()
+        await terminal_tool()
+        read_ms = await median_ms(read_tool, 500)
+        read_base = await median_ms(read_plain, 500)
+        term_ms = await median_ms(terminal_tool, 30)
+        term_base = await median_ms(plain_true, 30)
+
+        cancel_ms = []
+        for i in range(5):
+            marker = f"4321.{i}{os.getpid()}"
+            task = asyncio.create_task(
+                run_sandboxed(f"sleep {marker}", root=root, config=SandboxConfig())
+            )
+            while not _alive(marker):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            t = time.perf_counter()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            while _alive(marker):
+                await asyncio.sleep(0.001)
+            cancel_ms.append((time.perf_counter() - t) * 1000)
+        await asyncio.sleep(0.3)
+
+    print(f"read_file via spec.run      median {read_ms:7.3f} ms  (target < 2 ms)")
+    print(
+        f"  baseline Path.read_text   median {read_base:7.3f} ms  ratio {read_ms / read_base:6.1f}x"
+    )
+    print(f"run_terminal 'true' (bwrap) median {term_ms:7.2f} ms  (target < 50 ms)")
+    print(
+        f"  baseline plain subprocess median {term_base:7.2f} ms  ratio {term_ms / term_base:6.1f}x"
+    )
+    print(
+        f"cancel -> process gone      median {statistics.median(cancel_ms):7.2f} ms  "
+        f"(max {max(cancel_ms):.2f} ms; target ~100 ms)"
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,173 @@
+"""grep (ripgrep and the Python fallback), glob and codebase_search."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from opencomposer.tools import search, specs
+from opencomposer.tools.protocols import SearchHit, ToolContext, ToolResult
+from opencomposer.tools.workspace import LocalWorkspace
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> ToolContext:
+    root = tmp_path / "ws"
+    (root / "src" / "net").mkdir(parents=True)
+    (root / "build").mkdir()
+    (root / ".gitignore").write_text("build/\n")
+    (root / "src" / "app.py").write_text("def retry(n):\n    return n\n\nRETRY = 3\n")
+    (root / "src" / "net" / "client.py").write_text("from app import retry\nretry(2)\n")
+    (root / "src" / "notes.md").write_text("retry policy\n")
+    (root / "build" / "gen.py").write_text("def retry(): pass\n")
+    (root / "data.bin").write_bytes(b"retry\x00\x01")
+    return ToolContext(workspace=LocalWorkspace(root))
+
+
+async def call(ctx: ToolContext, name: str, **raw: str) -> ToolResult:
+    spec = specs.get(name)
+    return await spec.run(ctx, spec.validate(raw))
+
+
+@pytest.fixture(params=["rg", "python"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "rg":
+        assert shutil.which("rg"), "ripgrep is missing: run `make system-deps`"
+    else:
+        real = shutil.which
+        monkeypatch.setattr(search.shutil, "which", lambda n: None if n == "rg" else real(n))
+    return request.param
+
+
+async def test_grep_matches_respect_gitignore_and_skip_binary(
+    ctx: ToolContext, engine: str
+) -> None:
+    r = await call(ctx, "grep", pattern=r"retry\(")
+    assert r.status == "ok"
+    assert r.output.splitlines() == [
+        "src/app.py:1:def retry(n):",
+        "src/net/client.py:2:retry(2)",
+    ]
+
+
+async def test_grep_path_glob_and_case(ctx: ToolContext, engine: str) -> None:
+    r = await call(ctx, "grep", pattern="retry", path="src/net")
+    assert r.output.splitlines() == [
+        "src/net/client.py:1:from app import retry",
+        "src/net/client.py:2:retry(2)",
+    ]
+    r = await call(ctx, "grep", pattern="retry", glob="*.md")
+    assert r.output == "src/notes.md:1:retry policy"
+    r = await call(ctx, "grep", pattern="^retry", case_sensitive="false", path="src/app.py")
+    assert r.output == "src/app.py:4:RETRY = 3"
+    r = await call(ctx, "grep", pattern="nothing_like_this")
+    assert r.status == "ok" and "no matches" in r.output
+
+
+async def test_grep_searches_open_buffers_not_disk(ctx: ToolContext, engine: str) -> None:
+    ctx.workspace.buffers["src/app.py"] = "def backoff():\n    retry_later()\n"  # type: ignore[attr-defined]
+    ctx.workspace.buffers["src/unsaved.py"] = "retry_unsaved = 1\n"  # type: ignore[attr-defined]
+    r = await call(ctx, "grep", pattern="retry", path="src", glob="*.py")
+    assert r.output.splitlines() == [
+        "src/app.py:2:    retry_later()",
+        "src/net/client.py:1:from app import retry",
+        "src/net/client.py:2:retry(2)",
+        "src/unsaved.py:1:retry_unsaved = 1",
+    ]
+
+
+async def test_grep_caps_output_with_a_count(ctx: ToolContext, engine: str) -> None:
+    (ctx.workspace.root / "many.txt").write_text("hit\n" * 1000)
+    r = await call(ctx, "grep", pattern="hit")
+    lines = r.output.splitlines()
+    assert len(lines) == search.GREP_MAX_SHOWN + 1
+    assert lines[-1].startswith("[... 800 more matches not shown")
+    assert r.meta["matches"] == 1000
+
+
+async def test_grep_errors(ctx: ToolContext, engine: str) -> None:
+    r = await call(ctx, "grep", pattern="(unclosed")
+    assert r.status == "error" and "invalid regular expression" in r.output
+    r = await call(ctx, "grep", pattern="x", path="../")
+    assert r.status == "error" and "outside the workspace" in r.output
+    r = await call(ctx, "grep", pattern="x", path="nope")
+    assert r.status == "error" and "path not found: nope" in r.output
+
+
+async def test_glob(ctx: ToolContext) -> None:
+    r = await call(ctx, "glob", pattern="**/*.py")
+    assert r.output.splitlines() == ["src/app.py", "src/net/client.py"]
+    r = await call(ctx, "glob", pattern="*.{md,py}")
+    assert r.output.splitlines() == ["src/app.py", "src/net/client.py", "src/notes.md"]
+    r = await call(ctx, "glob", pattern="src/*.py")
+    assert r.output == "src/app.py"
+    ctx.workspace.buffers["src/new.py"] = "x"  # type: ignore[attr-defined]
+    r = await call(ctx, "glob", pattern="src/*.py")
+    assert r.output.splitlines() == ["src/app.py", "src/new.py"]
+    r = await call(ctx, "glob", pattern="*.rs")
+    assert r.status == "ok" and "no files match" in r.output
+    r = await call(ctx, "glob", pattern="../*.py")
+    assert r.status == "error"
+
+
+async def test_glob_caps(ctx: ToolContext) -> None:
+    for i in range(search.GLOB_MAX_SHOWN + 20):
+        (ctx.workspace.root / f"f{i:04d}.txt").write_text("")
+    r = await call(ctx, "glob", pattern="*.txt")
+    assert r.output.splitlines()[-1] == "[... 20 more files; use a narrower pattern]"
+
+
+class FakeIndex:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, str | None]] = []
+
+    def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[SearchHit]:
+        self.calls.append((query, k, path))
+        return [
+            SearchHit(path="src/app.py", start_line=1, end_line=2, score=0.91, symbol="retry"),
+            SearchHit(
+                path="src/net/client.py",
+                start_line=1,
+                end_line=2,
+                score=0.5,
+                text="a\nb\nc\nd\ne\nf\ng\nh",
+            ),
+        ][:k]
+
+
+async def test_codebase_search_formats_hits(ctx: ToolContext) -> None:
+    index = FakeIndex()
+    ctx.index = index
+    r = await call(ctx, "codebase_search", query="where do we retry", path="src", k="2")
+    assert r.status == "ok"
+    assert index.calls == [("where do we retry", 2, "src")]
+    blocks = r.output.split("\n\n")
+    assert blocks[0] == "src/app.py:1-2 (0.910) retry\n  def retry(n):\n      return n"
+    assert blocks[1].startswith("src/net/client.py:1-2 (0.500)\n  a\n")
+    assert blocks[1].endswith("[... 2 more lines]")
+
+
+async def test_codebase_search_opens_the_index_lazily_once(ctx: ToolContext) -> None:
+    opened: list[FakeIndex] = []
+
+    async def factory() -> FakeIndex:
+        opened.append(FakeIndex())
+        return opened[-1]
+
+    ctx.index_factory = factory
+    await call(ctx, "codebase_search", query="a")
+    await call(ctx, "codebase_search", query="b")
+    assert len(opened) == 1 and len(opened[0].calls) == 2
+
+
+async def test_codebase_search_without_index(ctx: ToolContext) -> None:
+    r = await call(ctx, "codebase_search", query="retry")
+    assert r.status == "error" and "no codebase index" in r.output
+
+    async def broken() -> FakeIndex:
+        raise RuntimeError("disk full")
+
+    ctx.index_factory = broken
+    r = await call(ctx, "codebase_search", query="retry")
+    assert r.status == "error" and "disk full" in r.output

@@ -1,0 +1,437 @@
+"""File tools: read_file, edit_file, write_file, delete_file, list_dir.
+
+Convention for errors (every tool in this package): helpers raise `ToolError`
+with one clear line for the model; each public tool is wrapped in
+`returns_errors`, so it returns `ToolResult.error(message)` instead of raising,
+whoever calls it (the session executor, a test, a benchmark).
+
+edit_file matches `old` on a ladder, stopping at the first rung that matches:
+1. exact text;
+2. line by line, ignoring trailing whitespace;
+3. line by line, ignoring indentation (then `new` is re-indented by the same delta);
+4. line by line, with runs of whitespace collapsed.
+Models often get whitespace wrong and almost never get the words wrong, so the
+fuzzy rungs fix the common mistake without ever matching different code.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from opencomposer.tools.output import returns_errors
+from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResult
+from opencomposer.tools.workspace import walk
+
+READ_MAX_LINES = 2000
+READ_MAX_CHARS = 60_000
+LINE_MAX_CHARS = 2000
+DIFF_MAX_CHARS = 4000
+LIST_MAX_ENTRIES = 400
+
+
+# -- shared helpers ------------------------------------------------------------
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines without their endings (only "\\n" splits: form feeds etc. stay in lines)."""
+    if not text:
+        return []
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def number(lines: list[str], first: int) -> str:
+    width = max(5, len(str(first + len(lines) - 1)))
+    return "\n".join(f"{n:>{width}}\t{line}" for n, line in enumerate(lines, first))
+
+
+def unified_diff(path: str, before: str | None, after: str | None) -> str:
+    a = (before or "").splitlines(keepends=True)
+    b = (after or "").splitlines(keepends=True)
+    diff = difflib.unified_diff(
+        a,
+        b,
+        "/dev/null" if before is None else f"a/{path}",
+        "/dev/null" if after is None else f"b/{path}",
+    )
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in diff
+    )
+
+
+def _short(diff: str) -> str:
+    if len(diff) <= DIFF_MAX_CHARS:
+        return diff
+    return (
+        diff[:DIFF_MAX_CHARS].rsplit("\n", 1)[0]
+        + f"\n[... diff cut, {len(diff)} characters in all]"
+    )
+
+
+def _changed(ctx: ToolContext, path: str) -> None:
+    if ctx.on_file_changed is not None:
+        ctx.on_file_changed(path)
+
+
+def _read_existing(ctx: ToolContext, path: str) -> str | None:
+    """The text of `path`, None if it does not exist; ToolError if binary or a folder."""
+    ws = ctx.workspace
+    if ws.is_dir(path):
+        raise ToolError(f"{path} is a directory, not a file")
+    if not ws.exists(path):
+        return None
+    return ws.read_text(path)
+
+
+# -- read_file ----------------------------------------------------------------
+
+
+@returns_errors
+async def read_file(
+    ctx: ToolContext, path: str, start_line: int | None = None, end_line: int | None = None
+) -> ToolResult:
+    ws = ctx.workspace
+    key = ws.relative(ws.resolve(path))
+    if ws.is_dir(path):
+        raise ToolError(f"{key} is a directory; use list_dir to see what it holds")
+    lines = split_lines(ws.read_text(path))
+    total = len(lines)
+    if total == 0:
+        return ToolResult.ok(f"({key} is empty)", meta={"lines": 0})
+    start = 1 if start_line is None else start_line
+    end = total if end_line is None else end_line
+    if start < 1:
+        raise ToolError(f"start_line must be 1 or more, got {start}")
+    if start > total:
+        raise ToolError(f"start_line {start} is past the end of {key}, which has {total} lines")
+    if end < start:
+        raise ToolError(f"end_line {end} is before start_line {start}")
+    end = min(end, total)
+
+    shown: list[str] = []
+    size = 0
+    for line in lines[start - 1 : end]:
+        if len(line) > LINE_MAX_CHARS:
+            line = line[:LINE_MAX_CHARS] + f" [... line cut, {len(line)} characters]"
+        if shown and (len(shown) >= READ_MAX_LINES or size + len(line) > READ_MAX_CHARS):
+            break
+        shown.append(line)
+        size += len(line) + 8
+    last = start + len(shown) - 1
+    out = number(shown, start)
+    if last < end:
+        out += (
+            f"\n[showing lines {start}-{last} of {total}; output limit reached. "
+            f"Continue with start_line={last + 1}]"
+        )
+    elif start > 1 or end < total:
+        out += f"\n[lines {start}-{last} of {total}]"
+    return ToolResult.ok(out, meta={"lines": total})
+
+
+# -- edit_file ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rung:
+    name: str  # how the match was made, said back to the model
+    norm: Callable[[str], str]
+    reindent: bool
+
+
+_RUNGS = (
+    _Rung("ignoring trailing whitespace", lambda s: s.rstrip(), False),
+    _Rung("ignoring indentation", lambda s: s.strip(), True),
+    _Rung("ignoring whitespace differences", lambda s: " ".join(s.split()), True),
+)
+
+
+def _indent(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _trim_blank_edges(lines: list[str]) -> list[str]:
+    lo, hi = 0, len(lines)
+    while lo < hi and not lines[lo].strip():
+        lo += 1
+    while hi > lo and not lines[hi - 1].strip():
+        hi -= 1
+    return lines[lo:hi]
+
+
+def _reindent(
+    new_lines: list[str], old_lines: list[str], file_lines: list[str]
+) -> tuple[list[str], str]:
+    """Shift `new_lines` by the indentation difference between `old` and the file."""
+    pair = next(((o, f) for o, f in zip(old_lines, file_lines, strict=False) if o.strip()), None)
+    if pair is None:
+        return new_lines, ""
+    old_ind, file_ind = _indent(pair[0]), _indent(pair[1])
+    if old_ind == file_ind:
+        return new_lines, ""
+    out = []
+    for line in new_lines:
+        if not line.strip():
+            out.append(line)
+        elif line.startswith(old_ind):
+            out.append(file_ind + line[len(old_ind) :])
+        elif file_ind.startswith(old_ind):
+            out.append(file_ind[len(old_ind) :] + line)
+        else:
+            out.append(file_ind + line.lstrip())
+    delta = len(file_ind.expandtabs(4)) - len(old_ind.expandtabs(4))
+    return out, f"; new text re-indented by {delta:+d} columns"
+
+
+def _line_starts(text: str) -> list[int]:
+    starts = [0]
+    starts.extend(m.end() for m in re.finditer("\n", text))
+    return starts
+
+
+def _line_of(starts: list[int], offset: int) -> int:
+    return bisect.bisect_right(starts, offset)
+
+
+def _fuzzy_matches(
+    file_lines: list[str], old_lines: list[str], norm: Callable[[str], str]
+) -> list[int]:
+    want = [norm(x) for x in old_lines]
+    have = [norm(x) for x in file_lines]
+    n = len(want)
+    return [i for i in range(len(have) - n + 1) if have[i : i + n] == want]
+
+
+def _closest(file_lines: list[str], old_lines: list[str]) -> str:
+    """The file's lines most like `old`, numbered, with a diff of the difference."""
+    n = max(1, len(old_lines))
+    target = "\n".join(x.strip() for x in old_lines)
+    best, best_i = 0.0, -1
+    matcher = difflib.SequenceMatcher(autojunk=False)
+    matcher.set_seq2(target)
+    for i in range(max(1, len(file_lines) - n + 1)):
+        window = "\n".join(x.strip() for x in file_lines[i : i + n])
+        matcher.set_seq1(window)
+        if matcher.real_quick_ratio() <= best or matcher.quick_ratio() <= best:
+            continue
+        ratio = matcher.ratio()
+        if ratio > best:
+            best, best_i = ratio, i
+    if best_i < 0 or best < 0.3:
+        return "No similar lines were found: read the file again before editing."
+    window = file_lines[best_i : best_i + n]
+    diff = list(difflib.unified_diff(old_lines, window, "your old", "the file", n=0, lineterm=""))
+    shown = number(window, best_i + 1)
+    parts = [
+        f"The closest text is at lines {best_i + 1}-{best_i + len(window)} "
+        f"({best:.0%} similar):\n{shown}"
+    ]
+    if diff:
+        parts.append("Difference (- your old, + the file):\n" + "\n".join(diff[2:40]))
+    return "\n".join(parts)
+
+
+def apply_edit(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, str]:
+    """(new text, replacements, how it matched); ToolError when `old` is absent or ambiguous."""
+    crlf = "\r\n" in text and "\r\n" not in old
+    if crlf:
+        text = text.replace("\r\n", "\n")
+        new = new.replace("\r\n", "\n")
+    result = _apply(text, old, new, replace_all)
+    if crlf:
+        return result[0].replace("\n", "\r\n"), result[1], result[2]
+    return result
+
+
+def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, str]:
+    count = text.count(old)
+    if count == 1 or (count > 1 and replace_all):
+        return text.replace(old, new), count, "exact match"
+    if count > 1:
+        starts = _line_starts(text)
+        lines, pos = [], text.find(old)
+        while pos >= 0:
+            lines.append(_line_of(starts, pos))
+            pos = text.find(old, pos + 1)
+        raise ToolError(
+            f"old text matches {count} times (at lines {', '.join(map(str, lines))}); "
+            'add surrounding lines to make it unique, or set replace_all="true"'
+        )
+
+    file_lines = text.split("\n")
+    old_lines = _trim_blank_edges(old.split("\n"))
+    if old_lines:
+        new_lines = _trim_blank_edges(new.split("\n")) if new.strip() else []
+        for rung in _RUNGS:
+            hits = _fuzzy_matches(file_lines, old_lines, rung.norm)
+            if not hits:
+                continue
+            if len(hits) > 1 and not replace_all:
+                raise ToolError(
+                    f"old text matches {len(hits)} times {rung.name} "
+                    f"(at lines {', '.join(str(i + 1) for i in hits)}); add surrounding lines "
+                    'to make it unique, or set replace_all="true"'
+                )
+            note = ""
+            out = list(file_lines)
+            hits = _non_overlapping(hits, len(old_lines))
+            for i in reversed(hits):
+                window = file_lines[i : i + len(old_lines)]
+                repl, note = (
+                    _reindent(new_lines, old_lines, window) if rung.reindent else (new_lines, "")
+                )
+                out[i : i + len(old_lines)] = repl
+            return "\n".join(out), len(hits), f"matched {rung.name}{note}"
+
+    raise ToolError(
+        "old text not found (tried exact, then ignoring trailing whitespace, indentation and "
+        "whitespace runs). " + _closest(file_lines, old_lines or old.split("\n"))
+    )
+
+
+def _non_overlapping(hits: list[int], n: int) -> list[int]:
+    kept: list[int] = []
+    for i in hits:
+        if not kept or i >= kept[-1] + n:
+            kept.append(i)
+    return kept
+
+
+@returns_errors
+async def edit_file(
+    ctx: ToolContext, path: str, old: str, new: str, replace_all: bool = False
+) -> ToolResult:
+    ws = ctx.workspace
+    key = ws.relative(ws.resolve(path))
+    if not old:
+        raise ToolError("old is empty; use write_file to create or overwrite a whole file")
+    before = _read_existing(ctx, path)
+    if before is None:
+        raise ToolError(f"file not found: {key} (use write_file to create it)")
+    if old == new:
+        raise ToolError("old and new are the same; nothing to change")
+    try:
+        after, count, how = apply_edit(before, old, new, replace_all)
+    except ToolError as e:
+        raise ToolError(f"edit_file {key}: {e}") from None
+    if after == before:
+        return ToolResult.ok(f"{key} unchanged: the replacement gives the same text")
+    await ws.write_text(key, after)
+    _changed(ctx, key)
+    diff = unified_diff(key, before, after)
+    times = "1 occurrence" if count == 1 else f"{count} occurrences"
+    return ToolResult.ok(
+        f"edited {key}: replaced {times} ({how})\n{_short(diff)}",
+        edits=[Edit(path=key, before=before, after=after, diff=diff)],
+    )
+
+
+# -- write_file / delete_file -------------------------------------------------
+
+
+@returns_errors
+async def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
+    ws = ctx.workspace
+    key = ws.relative(ws.resolve(path))
+    if key == ".":
+        raise ToolError("write_file needs a file path, not the workspace root")
+    try:
+        before = _read_existing(ctx, path)
+    except ToolError as e:
+        if "binary" in str(e) or "not UTF-8" in str(e):
+            raise ToolError(f"{key} is not a text file; refusing to overwrite it") from None
+        raise
+    if before == content:
+        return ToolResult.ok(f"{key} unchanged: it already has this content")
+    await ws.write_text(key, content)
+    _changed(ctx, key)
+    diff = unified_diff(key, before, content)
+    n = len(split_lines(content))
+    verb = "created" if before is None else "overwrote"
+    return ToolResult.ok(
+        f"{verb} {key} ({n} lines)",
+        edits=[Edit(path=key, before=before, after=content, diff=diff)],
+    )
+
+
+@returns_errors
+async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
+    ws = ctx.workspace
+    key = ws.relative(ws.resolve(path))
+    if key == "." or ws.is_dir(path):
+        raise ToolError(f"{key} is a directory; delete_file removes files only")
+    if not ws.exists(path):
+        raise ToolError(f"file not found: {key}")
+    try:
+        before = ws.read_text(path)
+    except ToolError:
+        raise ToolError(
+            f"{key} is not a text file; delete_file only removes text files it can restore"
+        ) from None
+    await ws.delete(key)
+    _changed(ctx, key)
+    return ToolResult.ok(
+        f"deleted {key}",
+        edits=[Edit(path=key, before=before, after=None, diff=unified_diff(key, before, None))],
+    )
+
+
+# -- list_dir -----------------------------------------------------------------
+
+
+@returns_errors
+async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResult:
+    ws = ctx.workspace
+    key = ws.relative(ws.resolve(path or "."))
+    if depth < 1:
+        raise ToolError(f"depth must be 1 or more, got {depth}")
+    depth = min(depth, 12)
+    if not ws.is_dir(key):
+        if ws.exists(key):
+            raise ToolError(f"{key} is a file, not a directory; use read_file")
+        raise ToolError(f"directory not found: {key}")
+    start = "" if key == "." else key
+    base_depth = start.count("/") + 1 if start else 0
+
+    children: dict[str, list[tuple[str, bool]]] = {}
+    hidden: dict[str, int] = {}
+    for rel, is_dir in walk(ws.root, start, include_dirs=True):
+        parent, _, name = rel.rpartition("/")
+        level = rel.count("/") + 1 - base_depth
+        if level > depth:
+            top = "/".join(rel.split("/")[: base_depth + depth])
+            hidden[top] = hidden.get(top, 0) + (0 if is_dir else 1)
+            continue
+        children.setdefault(parent, []).append((name, is_dir))
+
+    lines = [f"{key}/" if key != "." else "./"]
+    count = 0
+
+    def emit(folder: str, indent: int) -> None:
+        nonlocal count
+        items = sorted(children.get(folder, []), key=lambda x: (not x[1], x[0]))
+        for name, is_dir in items:
+            if count >= LIST_MAX_ENTRIES:
+                return
+            count += 1
+            rel = f"{folder}/{name}" if folder else name
+            if is_dir:
+                more = f"  ({hidden[rel]} files below)" if rel in hidden else ""
+                lines.append(f"{'  ' * indent}{name}/{more}")
+                emit(rel, indent + 1)
+            else:
+                lines.append(f"{'  ' * indent}{name}")
+
+    emit(start, 1)
+    total = sum(len(v) for v in children.values())
+    if count == 0:
+        lines.append("  (empty)")
+    elif total > count:
+        lines.append(f"[... {total - count} more entries; list a subfolder to see them]")
+    return ToolResult.ok("\n".join(lines), meta={"entries": total})

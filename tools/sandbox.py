@@ -1,0 +1,431 @@
+"""Run one shell command in a bubblewrap sandbox, with limits; used by run_terminal
+and by training environments for a task's `setup` and `verify` commands.
+
+    result = await run_sandboxed("pytest -q", root=Path("repo"), config=SandboxConfig())
+
+What bounds what (measured on this kind of machine, root inside a VM):
+
+- Files: `/` is bound read-only, the workspace read-write (`workspace-write`) or
+  read-only (`read-only`) at its own path, `/tmp` is a fresh tmpfs capped at the
+  memory limit, `/proc` and `/dev` are new. Nothing outside the workspace can be
+  changed.
+- Network: `--unshare-all` gives the command its own empty network namespace.
+- Processes: RLIMIT_NPROC does *not* bound a root user (the kernel skips the check
+  for the initial user, and a user namespace keeps that kernel uid). What does is a
+  `pids` cgroup (v1 or v2) with `pids.max`; when one can be made, the sandbox joins
+  it before exec, and the first refused fork ends the run ("process limit"). Where
+  no cgroup can be made, a watchdog counts the processes in the sandbox's PID
+  namespace every few milliseconds and kills it past the limit.
+- Memory: RLIMIT_AS per process, plus a memory cgroup limit on the whole tree when
+  one can be made; /tmp is a size-capped tmpfs.
+- Time and cancellation: the command runs in its own PID namespace whose init is
+  bwrap's child, kept in bwrap's process group: one SIGKILL to the group ends that
+  init, and the kernel then kills everything left in the namespace, even processes
+  that called setsid. Cancelling the awaiting task kills it synchronously, before
+  the CancelledError propagates.
+- Output: stdout and stderr are merged and streamed through `OutputCapture`, so
+  memory stays bounded however much the command prints.
+
+Mode `off` runs `bash -c` directly with the same limits (the process group and the
+cgroup are killed instead of a namespace); without bwrap the other modes refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import resource
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from opencomposer.tools.output import OutputCapture
+from opencomposer.tools.protocols import SandboxConfig, ToolError
+
+POLL_S = 0.02
+DRAIN_S = 1.0  # after the command ends, how long escaped holders of the pipe may delay us
+MAX_FILE_BYTES = 8 * 1024**3
+SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.I)
+CGROUP_PREFIX = "opencomposer-sbx-"
+
+
+class SandboxError(ToolError):
+    """The sandbox cannot run the command at all (no bwrap, bad mode)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandResult:
+    exit_code: int  # negative: killed by that signal
+    output: str
+    timed_out: bool = False
+    duration_s: float = 0.0
+    killed_reason: str | None = None  # "timeout", "process limit", "memory limit", "cancelled"
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.killed_reason is None
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _shell() -> str:
+    return shutil.which("bash") or "/bin/sh"
+
+
+def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
+    """The full argv that runs `command` in `root` under `config`; SandboxError if it can't."""
+    shell = [_shell(), "-c", command]
+    if config.mode == "off":
+        return shell
+    if config.mode not in ("read-only", "workspace-write"):
+        raise SandboxError(
+            f"unknown sandbox mode {config.mode!r}; use read-only, workspace-write or off"
+        )
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise SandboxError(
+            "bubblewrap (bwrap) is not installed, so commands cannot be sandboxed; "
+            "install the Debian package bubblewrap, or set the sandbox mode to off"
+        )
+    bind = "--bind" if config.mode == "workspace-write" else "--ro-bind"
+    # No --new-session: the host-side setsid (start_new_session) already gives the tree
+    # a session without a controlling terminal, and bwrap's namespace init must stay in
+    # our process group so that one killpg reaches it (its death ends the namespace).
+    argv = [bwrap, "--unshare-all", "--die-with-parent"]
+    if config.network:
+        argv.append("--share-net")
+    argv += [
+        "--ro-bind", "/", "/",
+        "--dev", "/dev",
+        "--proc", "/proc",
+        "--size", str(config.memory_mb * 1024 * 1024), "--tmpfs", "/tmp",
+        bind, str(root), str(root),
+        "--chdir", str(root),
+        "--",
+    ]  # fmt: skip
+    return argv + shell
+
+
+def sandbox_env() -> dict[str, str]:
+    """The caller's environment without secrets, set up for non-interactive use."""
+    env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
+    env.update(TERM="dumb", PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
+    env.setdefault("LANG", "C.UTF-8")
+    return env
+
+
+# -- cgroups ------------------------------------------------------------------
+
+_counter = itertools.count()
+
+
+class Cgroup:
+    """Per-run cgroups (pids, memory) in whichever hierarchy this process may write.
+
+    `create` returns None where no cgroup can be made (no permission, cgroup v2
+    without delegation); the sandbox then falls back to the namespace watchdog.
+    """
+
+    def __init__(self, dirs: dict[str, Path], max_processes: int) -> None:
+        self.dirs = dirs  # controller -> folder
+        self.max_processes = max_processes
+
+    @classmethod
+    def create(cls, config: SandboxConfig) -> Cgroup | None:
+        name = f"{CGROUP_PREFIX}{os.getpid()}-{next(_counter)}"
+        dirs: dict[str, Path] = {}
+        for controller, parent in _cgroup_parents().items():
+            _sweep(parent)
+            folder = parent / name
+            try:
+                folder.mkdir()
+                if controller == "pids":
+                    (folder / "pids.max").write_text(str(config.max_processes))
+                elif (folder / "memory.max").exists():
+                    (folder / "memory.max").write_text(str(config.memory_mb * 1024 * 1024))
+                    with contextlib.suppress(OSError):
+                        (folder / "memory.swap.max").write_text("0")
+                else:
+                    (folder / "memory.limit_in_bytes").write_text(
+                        str(config.memory_mb * 1024 * 1024)
+                    )
+            except OSError:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                continue
+            dirs[controller] = folder
+        if "pids" not in dirs:
+            for folder in dirs.values():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            return None
+        return cls(dirs, config.max_processes)
+
+    def join(self) -> None:
+        """Move the calling process in (runs in the child between fork and exec)."""
+        pid = str(os.getpid())
+        for folder in self.dirs.values():
+            with open(folder / "cgroup.procs", "w") as f:
+                f.write(pid)
+
+    def _event(self, controller: str, files: tuple[str, ...], key: str) -> int:
+        folder = self.dirs.get(controller)
+        if folder is None:
+            return 0
+        for fname in files:
+            try:
+                for line in (folder / fname).read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == key:
+                        return int(v)
+            except (OSError, ValueError):
+                continue
+        return 0
+
+    def forks_refused(self) -> int:
+        return self._event("pids", ("pids.events",), "max")
+
+    def oom_kills(self) -> int:
+        return self._event("memory", ("memory.events", "memory.oom_control"), "oom_kill")
+
+    def kill_all(self) -> None:
+        for folder in self.dirs.values():
+            with contextlib.suppress(OSError):
+                for line in (folder / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(line), signal.SIGKILL)
+
+    def remove(self) -> bool:
+        """Try once to delete the cgroups; False while processes are still in them."""
+        gone = True
+        for folder in self.dirs.values():
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                gone = False
+        return gone
+
+    async def close(self, within_s: float = 2.0) -> None:
+        """Kill what is left and delete the cgroups once the kernel has reaped it all.
+
+        What is still there after `within_s` is left to `_sweep` in a later run.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            self.kill_all()
+            if self.remove() or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.01)
+
+
+def _cgroup_parents() -> dict[str, Path]:
+    """controller -> the folder of this process's own cgroup for it, where writable."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    found: dict[str, Path] = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":
+            unified = base / "unified" if (base / "unified").is_dir() else base
+            try:
+                available = (unified / rel / "cgroup.controllers").read_text().split()
+            except OSError:
+                continue
+            for c in ("pids", "memory"):
+                if c in available and c not in found:
+                    found[c] = unified / rel
+            continue
+        for c in controllers.split(","):
+            if c in ("pids", "memory") and (base / c).is_dir():
+                found[c] = base / c / rel
+    return {c: p for c, p in found.items() if os.access(p, os.W_OK)}
+
+
+def _sweep(parent: Path) -> None:
+    """Remove empty cgroups left by sandboxes of processes that are gone."""
+    with contextlib.suppress(OSError):
+        for folder in parent.glob(f"{CGROUP_PREFIX}*"):
+            pid = folder.name[len(CGROUP_PREFIX) :].split("-")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+
+# -- the namespace watchdog (where no pids cgroup can be made) -------------------
+
+
+def _pid_ns_of_child(pid: int) -> str | None:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return os.readlink(f"/proc/{kids[0]}/ns/pid") if kids else None
+    except (OSError, IndexError):
+        return None
+
+
+def _count_in_ns(ns: str) -> int:
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry.name}/ns/pid") == ns:
+                    n += 1
+    return n
+
+
+# -- running ------------------------------------------------------------------
+
+
+def _child_setup(config: SandboxConfig, cgroup: Cgroup | None) -> None:
+    memory = config.memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    if cgroup is not None:
+        cgroup.join()
+
+
+async def _pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
+    while chunk := await stream.read(65536):
+        capture.feed(chunk)
+
+
+class _Run:
+    """One started command: its process, its cgroup and how to end it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, cgroup: Cgroup | None, sandboxed: bool):
+        self.proc = proc
+        self.cgroup = cgroup
+        self.sandboxed = sandboxed
+
+    def kill(self) -> None:
+        # os.kill, not proc.kill(): Popen.send_signal polls first, which can reap the
+        # child under asyncio's watcher thread and lose its exit status.
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+
+    async def supervise(self, deadline: float, max_processes: int) -> str | None:
+        """Wait for the end; the reason it was killed, or None if it ended by itself."""
+        waiter = asyncio.ensure_future(self.proc.wait())
+        ns: str | None = None
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "timeout"
+                done, _ = await asyncio.wait({waiter}, timeout=min(POLL_S, remaining))
+                if done:
+                    return None
+                if self.cgroup is not None:
+                    if self.cgroup.forks_refused():
+                        return "process limit"
+                elif self.sandboxed:
+                    ns = ns or _pid_ns_of_child(self.proc.pid)
+                    if ns and _count_in_ns(ns) > max_processes:
+                        return "process limit"
+        finally:
+            waiter.cancel()
+
+
+async def run_sandboxed(
+    command: str,
+    *,
+    root: Path,
+    config: SandboxConfig,
+    timeout_s: float | None = None,
+) -> CommandResult:
+    """Run `command` with bash at `root` under `config`; see the module docstring."""
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise SandboxError(f"workspace {root} is not a directory")
+    argv = sandbox_argv(command, root, config)
+    limit = config.timeout_s if timeout_s is None else timeout_s
+    if limit <= 0:
+        raise SandboxError(f"timeout must be positive, got {limit}")
+    cgroup = Cgroup.create(config)
+    capture = OutputCapture(config.output_limit)
+    start = time.monotonic()
+    spawn = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
+            *argv,
+            cwd=str(root),
+            env=sandbox_env(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(config, cgroup),
+        )
+    )
+    try:
+        # Shielded: a cancellation that lands while asyncio connects the pipes must not
+        # orphan a process that has already started; the callback kills it instead.
+        proc = await asyncio.shield(spawn)
+    except BaseException:
+        spawn.add_done_callback(lambda f: _kill_spawned(f, cgroup))
+        raise
+    run = _Run(proc, cgroup, sandboxed=config.mode != "off")
+    assert proc.stdout is not None
+    reader = asyncio.ensure_future(_pump(proc.stdout, capture))
+    reason: str | None = None
+    try:
+        reason = await run.supervise(start + limit, config.max_processes)
+    except BaseException:
+        run.kill()
+        reader.cancel()
+        asyncio.ensure_future(_reap(proc, cgroup))
+        raise
+    if reason is not None:
+        run.kill()
+    elif config.mode == "off":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the finished command
+    code = await proc.wait()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(reader), DRAIN_S)
+    reader.cancel()
+    if cgroup is not None:
+        if reason is None and cgroup.oom_kills():
+            reason = "memory limit"
+        await cgroup.close()
+    return CommandResult(
+        exit_code=code,
+        output=capture.text(),
+        timed_out=reason == "timeout",
+        duration_s=time.monotonic() - start,
+        killed_reason=reason,
+    )
+
+
+def _kill_spawned(spawn: asyncio.Future[asyncio.subprocess.Process], cgroup: Cgroup | None) -> None:
+    if spawn.cancelled() or spawn.exception() is not None:
+        if cgroup is not None:
+            cgroup.remove()
+        return
+    proc = spawn.result()
+    _Run(proc, cgroup, sandboxed=True).kill()
+    asyncio.ensure_future(_reap(proc, cgroup))
+
+
+async def _reap(proc: asyncio.subprocess.Process, cgroup: Cgroup | None) -> None:
+    with contextlib.suppress(Exception):
+        await proc.wait()
+    if cgroup is not None:
+        await cgroup.close()

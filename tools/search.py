@@ -1,0 +1,312 @@
+"""Search tools: grep, glob, codebase_search.
+
+grep runs ripgrep (`rg`) when it is on PATH and a pure-Python walk otherwise;
+both respect `.gitignore`, skip binary files and report `path:line:text`. Open
+editor buffers (the workspace overlay) are searched from their text, never from
+the stale disk copy. Globs follow .gitignore rules: a pattern without a slash
+matches a file name in any folder (`*.py`), `**` spans folders, `{a,b}` expands.
+
+Errors follow the package convention (see `opencomposer.tools.files`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import pathspec
+from opencomposer.tools.output import returns_errors
+from opencomposer.tools.protocols import SearchHit, ToolContext, ToolError, ToolResult
+from opencomposer.tools.workspace import walk_files
+
+GREP_MAX_SHOWN = 200
+GREP_MAX_COUNTED = 50_000  # stop reading matches past this; say "more than"
+GREP_LINE_CHARS = 300
+GREP_MAX_FILESIZE = 4 * 1024 * 1024
+GLOB_MAX_SHOWN = 500
+SEARCH_PREVIEW_LINES = 6
+
+Match = tuple[str, int, str]
+
+
+def _under(path: str, folder: str) -> bool:
+    return folder in ("", ".") or path == folder or path.startswith(folder + "/")
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    return [x for alt in m.group(1).split(",") for x in _expand_braces(head + alt + tail)]
+
+
+def compile_glob(pattern: str) -> pathspec.GitIgnoreSpec:
+    """A matcher for workspace-relative paths; ToolError for an unusable pattern."""
+    pattern = pattern.strip()
+    if not pattern:
+        raise ToolError("glob pattern is empty")
+    if pattern.startswith("/") or "\0" in pattern or ".." in pattern.split("/"):
+        raise ToolError(f"glob pattern {pattern} must be relative to the workspace, without ..")
+    if pattern.startswith("./"):
+        pattern = pattern[2:]
+    try:
+        return pathspec.GitIgnoreSpec.from_lines(_expand_braces(pattern))
+    except Exception as e:  # pathspec raises several types for bad patterns
+        raise ToolError(f"bad glob pattern {pattern}: {e}") from None
+
+
+def _clip(text: str) -> str:
+    text = text.rstrip("\r\n")
+    if len(text) > GREP_LINE_CHARS:
+        return text[:GREP_LINE_CHARS] + " [...]"
+    return text
+
+
+# -- grep ---------------------------------------------------------------------
+
+
+@returns_errors
+async def grep(
+    ctx: ToolContext,
+    pattern: str,
+    path: str = "",
+    glob: str | None = None,
+    case_sensitive: bool = True,
+) -> ToolResult:
+    ws = ctx.workspace
+    if not pattern:
+        raise ToolError("grep pattern is empty")
+    key = ws.key(path or ".")
+    if not ws.exists(key):
+        raise ToolError(f"path not found: {key}")
+    try:
+        regex: re.Pattern[str] | None = re.compile(pattern, 0 if case_sensitive else re.IGNORECASE)
+    except re.error as e:
+        regex = None
+        py_error = str(e)
+    spec = compile_glob(glob) if glob else None
+
+    overlay = {
+        k: v
+        for k, v in ws.overlay().items()
+        if _under(k, key) and (spec is None or spec.match_file(k))
+    }
+    rg = shutil.which("rg")
+    if rg is not None:
+        shown, total = await _grep_rg(rg, ws.root, pattern, key, glob, case_sensitive, set(overlay))
+    elif regex is None:
+        raise ToolError(f"invalid regular expression {pattern!r}: {py_error}")
+    else:
+        shown, total = await asyncio.to_thread(
+            _grep_python, ws.root, regex, key, spec, set(overlay)
+        )
+    if regex is not None:
+        for k in sorted(overlay):
+            for match in _search_text(k, overlay[k], regex):
+                total += 1
+                shown.append(match)
+    shown.sort(key=lambda m: (m[0], m[1]))
+    return _grep_result(pattern, key, shown, total)
+
+
+def _grep_result(pattern: str, key: str, shown: list[Match], total: int) -> ToolResult:
+    where = "the workspace" if key == "." else key
+    if total == 0:
+        return ToolResult.ok(f"no matches for {pattern!r} in {where}", meta={"matches": 0})
+    lines = [f"{p}:{n}:{_clip(t)}" for p, n, t in shown[:GREP_MAX_SHOWN]]
+    rest = total - len(lines)
+    if rest > 0:
+        more = f"more than {rest}" if total >= GREP_MAX_COUNTED else str(rest)
+        lines.append(f"[... {more} more matches not shown; narrow the pattern, path or glob]")
+    return ToolResult.ok("\n".join(lines), meta={"matches": total})
+
+
+def _search_text(path: str, text: str, regex: re.Pattern[str]) -> Iterable[Match]:
+    for n, line in enumerate(text.split("\n"), 1):
+        if regex.search(line):
+            yield path, n, line
+
+
+async def _grep_rg(
+    rg: str,
+    root: Path,
+    pattern: str,
+    key: str,
+    glob: str | None,
+    case_sensitive: bool,
+    skip: set[str],
+) -> tuple[list[Match], int]:
+    args = [
+        rg,
+        "--no-require-git",
+        "--hidden",
+        "--glob=!.git",
+        "--line-number",
+        "--no-heading",
+        "--with-filename",
+        "--null",
+        "--color=never",
+        "--no-messages",
+        "--sort=path",
+        f"--max-filesize={GREP_MAX_FILESIZE}",
+        "--ignore-case" if not case_sensitive else "--case-sensitive",
+    ]
+    for g in _expand_braces(glob) if glob else ():
+        args.append(f"--glob={g}")
+    args += ["-e", pattern]
+    if key != ".":
+        args.append(key)
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        cwd=str(root),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    shown: list[Match] = []
+    total = 0
+    stopped = False
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        async for raw in proc.stdout:
+            name, _, rest = raw.partition(b"\0")
+            path = name.decode("utf-8", "replace")
+            if path in skip:
+                continue
+            line_no, _, text = rest.partition(b":")
+            total += 1
+            if len(shown) < GREP_MAX_SHOWN:
+                shown.append((path, int(line_no or 0), text.decode("utf-8", "replace")))
+            if total >= GREP_MAX_COUNTED:
+                stopped = True
+                break
+    finally:
+        # Not proc.kill(): Popen.send_signal polls first, which can reap the child
+        # under asyncio's watcher thread and lose its exit status.
+        if stopped or proc.returncode is None and not proc.stdout.at_eof():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        err = (await proc.stderr.read()).decode("utf-8", "replace")
+        code = await proc.wait()
+    if code == 2 and total == 0 and err.strip():
+        first = " ".join(err.split())
+        raise ToolError(f"invalid regular expression {pattern!r}: {first}")
+    return shown, total
+
+
+def _grep_python(
+    root: Path,
+    regex: re.Pattern[str],
+    key: str,
+    spec: pathspec.GitIgnoreSpec | None,
+    skip: set[str],
+) -> tuple[list[Match], int]:
+    base = root
+    files: Iterable[str] = [key] if (base / key).is_file() else walk_files(base, key)
+    shown: list[Match] = []
+    total = 0
+    for rel in files:
+        if rel in skip or (spec is not None and not spec.match_file(rel)):
+            continue
+        target = base / rel
+        try:
+            if target.stat().st_size > GREP_MAX_FILESIZE:
+                continue
+            data = target.read_bytes()
+        except OSError:
+            continue
+        if b"\0" in data:
+            continue
+        for match in _search_text(rel, data.decode("utf-8", "replace"), regex):
+            total += 1
+            if len(shown) < GREP_MAX_SHOWN:
+                shown.append(match)
+            if total >= GREP_MAX_COUNTED:
+                return shown, total
+    return shown, total
+
+
+# -- glob ---------------------------------------------------------------------
+
+
+@returns_errors
+async def glob(ctx: ToolContext, pattern: str) -> ToolResult:
+    ws = ctx.workspace
+    spec = compile_glob(pattern)
+
+    def scan() -> list[str]:
+        found = {rel for rel in walk_files(ws.root) if spec.match_file(rel)}
+        found.update(k for k in ws.overlay() if spec.match_file(k))
+        return sorted(found)
+
+    paths = await asyncio.to_thread(scan)
+    if not paths:
+        return ToolResult.ok(f"no files match {pattern}", meta={"files": 0})
+    out = paths[:GLOB_MAX_SHOWN]
+    if len(paths) > len(out):
+        out.append(f"[... {len(paths) - len(out)} more files; use a narrower pattern]")
+    return ToolResult.ok("\n".join(out), meta={"files": len(paths)})
+
+
+# -- codebase_search ------------------------------------------------------------
+
+
+@returns_errors
+async def codebase_search(
+    ctx: ToolContext, query: str, path: str | None = None, k: int = 8
+) -> ToolResult:
+    if not query.strip():
+        raise ToolError("codebase_search query is empty")
+    if not 1 <= k <= 50:
+        raise ToolError(f"k must be between 1 and 50, got {k}")
+    folder = None
+    if path:
+        folder = ctx.workspace.key(path)
+        folder = None if folder == "." else folder
+    index = ctx.index
+    if index is None and ctx.index_factory is not None:
+        try:
+            index = await ctx.index_factory()
+        except ToolError:
+            raise
+        except Exception as e:
+            raise ToolError(
+                f"codebase_search is unavailable: the index failed to open ({e})"
+            ) from None
+        ctx.index = index
+    if index is None:
+        raise ToolError(
+            "codebase_search is unavailable: no codebase index for this workspace; use grep or glob"
+        )
+    hits = await asyncio.to_thread(index.search, query, k=k, path=folder)
+    if not hits:
+        return ToolResult.ok(f"no results for {query!r}", meta={"results": 0})
+    return ToolResult.ok(
+        "\n\n".join(_format_hit(ctx, h) for h in hits), meta={"results": len(hits)}
+    )
+
+
+def _format_hit(ctx: ToolContext, hit: SearchHit) -> str:
+    head = f"{hit.path}:{hit.start_line}-{hit.end_line} ({hit.score:.3f})"
+    if hit.symbol:
+        head += f" {hit.symbol}"
+    text = hit.text
+    if not text:
+        try:
+            lines = ctx.workspace.read_text(hit.path).split("\n")
+            text = "\n".join(lines[hit.start_line - 1 : hit.end_line])
+        except ToolError:
+            text = ""
+    preview = text.split("\n")[:SEARCH_PREVIEW_LINES]
+    total = text.count("\n") + 1
+    body = "\n".join(f"  {_clip(ln)}" for ln in preview)
+    if total > len(preview):
+        body += f"\n  [... {total - len(preview)} more lines]"
+    return head + ("\n" + body if body.strip() else "")
