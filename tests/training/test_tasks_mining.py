@@ -1,0 +1,152 @@
+"""Bug-injection mining on a tiny real repository (pytest, bwrap sandbox, no network).
+
+Guards: mutations keep the file's formatting except the one node; only covered
+functions are mutated; every kept task fails before and passes with the original
+restored (checked again here, independently of the miner); the query names the
+failing test and its error; the tests are protected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from opencomposer.training.mining import MineConfig, find_mutations, mine, prepare_own
+from opencomposer.training.tasks import TaskError, load_task, safe_extract
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+LIB = '''"""A small library."""
+
+
+def clamp(x, lo, hi):
+    # keep x within [lo, hi]
+    if x < lo:
+        return lo
+    if x > hi:
+        return hi
+    return x
+
+
+def window(xs, n):
+    return [xs[i : i + n] for i in range(len(xs) - n + 1)]
+
+
+def is_even(n):
+    return n % 2 == 0
+
+
+def untested(a, b):
+    return a + b
+'''
+
+TESTS = """from mylib import clamp, is_even, window
+
+
+def test_clamp():
+    assert clamp(5, 0, 10) == 5
+    assert clamp(-1, 0, 10) == 0
+    assert clamp(11, 0, 10) == 10
+    assert clamp(10, 0, 10) == 10
+
+
+def test_window():
+    assert window([1, 2, 3], 2) == [[1, 2], [2, 3]]
+    assert window([1, 2, 3], 3) == [[1, 2, 3]]
+
+
+def test_even():
+    assert is_even(4) and not is_even(3)
+"""
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "mylib-repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "mylib.py").write_text(LIB)
+    (repo / "tests" / "test_mylib.py").write_text(TESTS)
+    (repo / "conftest.py").write_text(
+        "import sys, os\nsys.path.insert(0, os.path.dirname(__file__))\n"
+    )
+    return repo
+
+
+def test_mutations_replace_one_node_and_keep_formatting(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    covered = {4: ["t"], 13: ["t"]}  # clamp and window, not is_even or untested
+    muts = find_mutations(repo, "mylib.py", covered)
+    assert {m.function for m in muts} == {"clamp", "window"}
+    kinds = {m.kind for m in muts}
+    assert {"flipped comparison", "off-by-one bound", "dropped branch"} <= kinds
+    for m in muts:
+        text = m.apply(LIB.encode()).decode()
+        assert "# keep x within [lo, hi]" in text  # comments survive
+        changed = [a for a, b in zip(LIB.splitlines(), text.splitlines(), strict=False) if a != b]
+        assert len(changed) >= 1 and text != LIB
+        compile(text, "mylib.py", "exec")
+
+
+def _run(cmd: str, cwd: Path) -> int:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(
+        ["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, timeout=120
+    ).returncode
+
+
+@pytest.mark.parametrize(
+    "limit", [1, pytest.param(4, marks=pytest.mark.slow)], ids=["one", "several"]
+)
+def test_mine_keeps_verified_tasks(tmp_path: Path, limit: int) -> None:
+    repo = _repo(tmp_path)
+    before = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    cfg = MineConfig(max_attempts=3 * limit, seed=1)
+    paths = mine(repo, out=tmp_path / "out", limit=limit, config=cfg)
+    assert {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()} == before  # repo untouched
+    assert 1 <= len(paths) <= limit
+    for path in paths:
+        task = load_task(path)
+        assert task.protect == ("tests/test_mylib.py",)
+        assert "tests/test_mylib.py::test_" in task.query and "E " in task.query
+        assert "pytest" in task.verify and task.source == "mined:mylib-repo"
+        ws = tmp_path / "check" / task.id
+        safe_extract(task.repo_tar, ws)
+        assert (ws / "mylib.py").read_text() != LIB
+        assert not (ws / ".opencomposer").exists()
+        assert _run(task.verify, ws) != 0  # fails before
+        sol = json.loads((path / "solution.json").read_text())
+        for e in sol["edits"]:
+            text = (ws / e["path"]).read_text()
+            assert text.count(e["old"]) >= 1
+            (ws / e["path"]).write_text(text.replace(e["old"], e["new"], 1))
+        assert (ws / "mylib.py").read_text() == LIB
+        assert _run(task.verify, ws) == 0  # passes with the original restored
+
+
+def test_mine_errors_are_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "m.py").write_text("x = 1\n")
+    with pytest.raises(TaskError, match="no test files"):
+        mine(empty, out=tmp_path / "o")
+    (empty / "test_m.py").write_text("def test_fail():\n    assert False\n")
+    with pytest.raises(TaskError, match="no passing tests"):
+        mine(empty, out=tmp_path / "o")
+    with pytest.raises(TaskError, match="not a folder"):
+        mine(tmp_path / "missing", out=tmp_path / "o")
+
+
+def test_prepare_own_imports_from_the_copy(tmp_path: Path) -> None:
+    root = tmp_path / "copy"
+    (root / "tools").mkdir(parents=True)
+    (root / "tools" / "__init__.py").write_text("")
+    (root / "tools" / "marker.py").write_text("WHERE = 'copy'\n")
+    (root / "test_where.py").write_text(
+        "from opencomposer.tools.marker import WHERE\n\ndef test_where():\n    assert WHERE == 'copy'\n"
+    )
+    prepare_own(root)
+    assert _run("python -m pytest -q -p no:cacheprovider test_where.py", root) == 0

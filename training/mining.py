@@ -1,0 +1,845 @@
+"""Tasks mined from real repositories by bug injection (`opencomposer tasks mine REPO --out DIR`).
+
+How a repository becomes tasks:
+
+1. A scratch copy is made (the repository itself is never changed) and its test
+   suite runs once in the sandbox under a small pytest plugin that records, per
+   test, its outcome and the functions it calls (`sys.settrace` on call events
+   only, so the overhead is one Python callback per call). Only tests that pass
+   are used.
+2. Every function that a passing test covers is a mutation site. Mutations are
+   made on the `ast` and written back as a replacement of that one node's source
+   span, so the rest of the file keeps its formatting and comments: flipped
+   comparisons (`<` → `>=`), off-by-one bounds (`n - 1` → `n`, `k` → `k + 1`),
+   dropped branches (an `if` without `else` becomes `pass`), swapped arguments,
+   wrong variables (a parameter read where another was meant), `and`/`or`,
+   `True`/`False` returns.
+3. Each mutation runs only the tests that cover its function. A mutation is kept
+   when specific tests fail (an assertion or an exception in the test, not a
+   collection error); at most one per function, kinds interleaved.
+4. The task: `repo.tar` holds the broken code with the tests; the query quotes
+   the failing test and its error as a user would; `verify` runs the test files
+   involved (protected, so editing the tests does not help).
+5. Every task is verified before it is kept: in the sandbox, verify fails on the
+   broken code and passes with the original code restored.
+
+`mine_pypi(name)` does the same for a pure-Python library's sdist from PyPI
+(`pip download --no-binary :all: --no-deps`), and `ensure_own_suite()` mines the
+built-in `own` suite from this repository (fast, pure test files only) into the
+cache on first use.
+
+    python -m opencomposer.training.mining REPO --out DIR [--limit 10]
+    python -m opencomposer.training.mining --pypi inflection --out DIR
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import copy
+import hashlib
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.training.env import run_command
+from opencomposer.training.tasks import SKIP_NAMES, TaskError, pack_dir, write_task
+
+STATE_DIR = ".opencomposer"  # inside the scratch copy; never packed into repo.tar
+TEST_TIMEOUT_S = 300.0
+
+_PLUGIN = r"""
+import json, os, sys, threading
+import pytest
+
+_ROOT = os.path.realpath(os.environ["OC_MINE_ROOT"]) + os.sep
+_TRACE = os.environ.get("OC_MINE_TRACE") == "1"
+_cur = None
+_hits = {}
+_outcomes = {}
+
+
+def _tracer(frame, event, arg):
+    if event == "call" and _cur is not None:
+        f = frame.f_code.co_filename
+        if f.startswith(_ROOT):
+            _hits.setdefault(_cur, set()).add((f[len(_ROOT):], frame.f_code.co_firstlineno))
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _cur
+    _cur = item.nodeid
+    if _TRACE:
+        sys.settrace(_tracer)
+        threading.settrace(_tracer)
+    try:
+        yield
+    finally:
+        if _TRACE:
+            sys.settrace(None)
+            threading.settrace(None)
+        _cur = None
+
+
+def pytest_runtest_logreport(report):
+    prev = _outcomes.get(report.nodeid)
+    if report.failed:
+        _outcomes[report.nodeid] = {"outcome": "failed", "when": report.when,
+                                   "error": report.longreprtext[-4000:]}
+    elif report.when == "call" and prev is None:
+        _outcomes[report.nodeid] = {"outcome": report.outcome}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    with open(os.environ["OC_MINE_OUT"], "w") as fh:
+        json.dump({"outcomes": _outcomes,
+                   "hits": {k: sorted(v) for k, v in _hits.items()},
+                   "exitstatus": int(exitstatus)}, fh)
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MineConfig:
+    limit: int = 10  # tasks to keep
+    max_attempts: int = 60  # mutations to try
+    seed: int = 0
+    tests: tuple[str, ...] = ()  # test files or folders; default: discovered
+    sources: tuple[str, ...] = ()  # source files or folders to mutate; default: all non-test .py
+    test_timeout_s: float = TEST_TIMEOUT_S
+    per_function: int = 1
+    source: str = ""  # recorded in task.toml
+    env_prefix: str = ""  # put before `python -m pytest` (e.g. "PYTHONPATH=src")
+    prepare: Callable[[Path], None] | None = None  # applied to the scratch copy first
+
+
+@dataclass(kw_only=True)
+class Mutation:
+    path: str  # workspace-relative
+    function: str
+    kind: str
+    line: int
+    start: int  # byte offsets into the file
+    end: int
+    old: str
+    new: str
+    tests: list[str] = field(default_factory=list)  # covering tests
+
+    def apply(self, source: bytes) -> bytes:
+        return source[: self.start] + self.new.encode() + source[self.end :]
+
+
+# ---------------------------------------------------------------- running tests
+
+
+def _pytest_cmd(cfg: MineConfig, args: Iterable[str]) -> str:
+    prefix = f"{cfg.env_prefix} " if cfg.env_prefix else ""
+    quoted = " ".join(shlex.quote(a) for a in args)
+    return f"{prefix}python -m pytest -q -p no:cacheprovider {quoted}"
+
+
+async def _run_tests(
+    root: Path,
+    cfg: MineConfig,
+    args: list[str],
+    *,
+    trace: bool,
+    plugin_dir: Path,
+    stop_first: bool = False,
+) -> dict:
+    out = root / STATE_DIR / "mine.json"
+    out.parent.mkdir(exist_ok=True)
+    out.unlink(missing_ok=True)
+    env = (
+        f"OC_MINE_ROOT={shlex.quote(str(root))} OC_MINE_OUT={shlex.quote(str(out))} "
+        f"OC_MINE_TRACE={int(trace)} PYTHONPATH={shlex.quote(str(plugin_dir))}${{PYTHONPATH:+:$PYTHONPATH}} "
+    )
+    extra = ["-p", "_oc_mine_plugin"]
+    if _has_timeout_plugin():
+        extra += ["--timeout", str(int(cfg.test_timeout_s))]
+    if stop_first:
+        extra.append("-x")
+    cmd = env + _pytest_cmd(cfg, extra + args)
+    sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
+    res = await run_command(cmd, cwd=root, sandbox=sandbox)
+    try:
+        data = json.loads(out.read_text())
+    except (OSError, ValueError):
+        data = {"outcomes": {}, "hits": {}, "exitstatus": -1, "output": res.output[-2000:]}
+    data["exit_code"] = res.exit_code
+    return data
+
+
+def _has_timeout_plugin() -> bool:
+    try:
+        import pytest_timeout  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- finding mutations
+
+
+def _is_test_file(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    parts = rel.split("/")
+    return (
+        name.startswith("test_")
+        or name.endswith("_test.py")
+        or name == "conftest.py"
+        or any(p in ("tests", "test", "testing") for p in parts[:-1])
+    )
+
+
+def _py_files(root: Path, under: Iterable[str]) -> list[str]:
+    found: set[str] = set()
+    for base in under:
+        p = root / base
+        if p.is_file() and p.suffix == ".py":
+            found.add(base)
+        elif p.is_dir():
+            for f in p.rglob("*.py"):
+                rel = f.relative_to(root).as_posix()
+                if not any(part in SKIP_NAMES or part.startswith(".") for part in rel.split("/")):
+                    found.add(rel)
+    return sorted(found)
+
+
+def discover_tests(root: Path) -> list[str]:
+    return [
+        f
+        for f in _py_files(root, ["."])
+        if _is_test_file(f)
+        and f.rsplit("/", 1)[-1] != "conftest.py"
+        and (f.rsplit("/", 1)[-1].startswith("test_") or f.endswith("_test.py"))
+    ]
+
+
+class _Functions(ast.NodeVisitor):
+    """(qualname, node) of every function in a module."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.found: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    def _fn(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.found.append((".".join([*self.stack, node.name]), node))
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_FunctionDef = _fn
+    visit_AsyncFunctionDef = _fn
+
+
+def _own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
+    """Nodes of a function's body, not of functions, classes or lambdas nested in it."""
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.arguments) or node in getattr(fn, "decorator_list", []):
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+_FLIP = {
+    ast.Lt: ast.GtE,
+    ast.GtE: ast.Lt,
+    ast.Gt: ast.LtE,
+    ast.LtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
+_BOUND = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+
+
+def _variants(node: ast.AST, params: list[str]) -> Iterator[tuple[str, ast.AST]]:
+    """(kind, replacement) for one node."""
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        op = type(node.ops[0])
+        if op in _FLIP:
+            yield (
+                "flipped comparison",
+                ast.Compare(left=node.left, ops=[_FLIP[op]()], comparators=node.comparators),
+            )
+        if op in _BOUND:
+            yield (
+                "off-by-one bound",
+                ast.Compare(left=node.left, ops=[_BOUND[op]()], comparators=node.comparators),
+            )
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
+        if (
+            isinstance(node.right, ast.Constant)
+            and node.right.value == 1
+            and type(node.right.value) is int
+        ):
+            yield "off-by-one bound", node.left
+        elif isinstance(node.op, ast.Add):
+            yield "wrong operator", ast.BinOp(left=node.left, op=ast.Sub(), right=node.right)
+        else:
+            yield "wrong operator", ast.BinOp(left=node.left, op=ast.Add(), right=node.right)
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        v = node.slice.value
+        if type(v) is int:
+            yield (
+                "off-by-one index",
+                ast.Subscript(
+                    value=node.value, slice=ast.Constant(v + 1 if v >= 0 else v - 1), ctx=node.ctx
+                ),
+            )
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range":
+        if node.args and not node.keywords:
+            last = node.args[-1] if len(node.args) <= 2 else node.args[1]
+            i = node.args.index(last)
+            args = list(node.args)
+            args[i] = ast.BinOp(left=last, op=ast.Sub(), right=ast.Constant(1))
+            yield "off-by-one bound", ast.Call(func=node.func, args=args, keywords=[])
+    elif isinstance(node, ast.If) and not node.orelse:
+        yield "dropped branch", ast.Pass()
+    elif isinstance(node, ast.BoolOp):
+        other = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        yield "and/or swapped", ast.BoolOp(op=other, values=node.values)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        yield "dropped negation", node.operand
+    elif (
+        isinstance(node, ast.Return)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, bool)
+    ):
+        yield "wrong return value", ast.Return(value=ast.Constant(not node.value.value))
+    if (
+        isinstance(node, ast.Call)
+        and len(node.args) >= 2
+        and not any(isinstance(a, ast.Starred) for a in node.args[:2])
+    ) and ast.dump(node.args[0]) != ast.dump(node.args[1]):
+        args = [node.args[1], node.args[0], *node.args[2:]]
+        yield "swapped arguments", ast.Call(func=node.func, args=args, keywords=node.keywords)
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in params:
+        others = [p for p in params if p != node.id and p not in ("self", "cls")]
+        if others and node.id not in ("self", "cls"):
+            yield "wrong variable", ast.Name(id=others[0], ctx=ast.Load())
+
+
+def _offsets(source: bytes) -> list[int]:
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return starts
+
+
+def _replace_node(tree: ast.Module, target: ast.AST, new: ast.AST) -> ast.Module:
+    """A copy of `tree` with `target` (found by identity in the original) replaced."""
+    path: list[tuple[ast.AST, str, int | None]] = []
+
+    def find(node: ast.AST, trail: list) -> bool:
+        if node is target:
+            path.extend(trail)
+            return True
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, ast.AST):
+                if find(value, [*trail, (node, name, None)]):
+                    return True
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, ast.AST) and find(item, [*trail, (node, name, i)]):
+                        return True
+        return False
+
+    find(tree, [])
+    clone = copy.deepcopy(tree)
+    node: ast.AST = clone
+    for _, name, index in path[:-1]:
+        value = getattr(node, name)
+        node = value[index] if index is not None else value
+    _, name, index = path[-1]
+    if index is None:
+        setattr(node, name, new)
+    else:
+        getattr(node, name)[index] = new
+    return clone
+
+
+def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[Mutation]:
+    """Mutations of the functions in `rel` whose first line is in `covered`
+    (line -> covering tests)."""
+    source = (root / rel).read_bytes()
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    offsets = _offsets(source)
+    finder = _Functions()
+    finder.visit(tree)
+    found: list[Mutation] = []
+    for qualname, fn in finder.found:
+        lines = [fn.lineno] + [d.lineno for d in fn.decorator_list]
+        tests = next((covered[n] for n in lines if n in covered), None)
+        if not tests:
+            continue
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        for node in _own_nodes(fn):
+            if not hasattr(node, "end_lineno") or node.end_lineno is None:
+                continue
+            for kind, new in _variants(node, params):
+                m = _mutation(source, offsets, tree, node, new, kind, rel, qualname)
+                if m is not None:
+                    m.tests = tests
+                    found.append(m)
+    return found
+
+
+def _mutation(
+    source: bytes,
+    offsets: list[int],
+    tree: ast.Module,
+    node: ast.AST,
+    new: ast.AST,
+    kind: str,
+    rel: str,
+    qualname: str,
+) -> Mutation | None:
+    start = offsets[node.lineno - 1] + node.col_offset  # type: ignore[attr-defined]
+    end = offsets[node.end_lineno - 1] + node.end_col_offset  # type: ignore[attr-defined]
+    old = source[start:end].decode("utf-8", errors="replace")
+    try:
+        text = ast.unparse(ast.fix_missing_locations(new))
+    except Exception:
+        return None
+    if text == old or "\n" in text and not isinstance(new, ast.Pass):
+        return None
+    expected = ast.dump(_replace_node(tree, node, new))
+    for candidate in (text, f"({text})"):
+        mutated = source[:start] + candidate.encode() + source[end:]
+        try:
+            if ast.dump(ast.parse(mutated)) == expected:
+                return Mutation(
+                    path=rel,
+                    function=qualname,
+                    kind=kind,
+                    line=node.lineno,  # type: ignore[attr-defined]
+                    start=start,
+                    end=end,
+                    old=old,
+                    new=candidate,
+                )
+        except (SyntaxError, ValueError):
+            continue
+    return None
+
+
+# ---------------------------------------------------------------- mining
+
+
+def mine(repo: Path, *, out: Path, limit: int = 10, config: MineConfig | None = None) -> list[Path]:
+    """Mine up to `limit` verified tasks from `repo` into `out`; returns the task folders.
+
+    TaskError (one line) when the repository has no passing tests or no covered code.
+    """
+    cfg = config or MineConfig()
+    if limit != cfg.limit:
+        cfg = MineConfig(**{**cfg.__dict__, "limit": limit})
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise TaskError(f"{repo}: not a folder")
+    return asyncio.run(_mine(repo, Path(out), cfg))
+
+
+async def _mine(repo: Path, out: Path, cfg: MineConfig) -> list[Path]:
+    with tempfile.TemporaryDirectory(prefix="oc-mine-") as tmp:
+        tmpdir = Path(tmp)
+        scratch = tmpdir / "repo"
+        shutil.copytree(
+            repo, scratch, symlinks=True, ignore=shutil.ignore_patterns(*SKIP_NAMES, "*.pyc")
+        )
+        plugin_dir = scratch / STATE_DIR / "plugin"  # inside: the sandbox sees only the workspace
+        plugin_dir.mkdir(parents=True)
+        (plugin_dir / "_oc_mine_plugin.py").write_text(_PLUGIN)
+        if cfg.prepare is not None:
+            cfg.prepare(scratch)
+        tests = list(cfg.tests) or discover_tests(scratch)
+        if not tests:
+            raise TaskError(f"{repo}: no test files found (test_*.py or *_test.py)")
+        base = await _run_tests(scratch, cfg, tests, trace=True, plugin_dir=plugin_dir)
+        passing = {k for k, v in base["outcomes"].items() if v["outcome"] == "passed"}
+        if not passing:
+            raise TaskError(
+                f"{repo}: no passing tests to mine from (pytest: {base.get('output', '')[-200:]!r})"
+            )
+        failing_files = {
+            k.split("::")[0] for k, v in base["outcomes"].items() if v["outcome"] == "failed"
+        }
+        covered: dict[str, dict[int, list[str]]] = {}
+        for test, hits in base["hits"].items():
+            if test not in passing:
+                continue
+            for rel, line in hits:
+                if not _is_test_file(rel):
+                    covered.setdefault(rel, {}).setdefault(line, []).append(test)
+        sources = set(_py_files(scratch, cfg.sources or ["."]))
+        candidates = [
+            m
+            for rel in sorted(covered)
+            if rel in sources
+            for m in find_mutations(scratch, rel, covered[rel])
+        ]
+        if not candidates:
+            raise TaskError(f"{repo}: no function covered by a passing test to mutate")
+        ordered = _interleave(candidates, random.Random(cfg.seed))
+        kept: list[Path] = []
+        per_function: dict[tuple[str, str], int] = {}
+        attempts = 0
+        for m in ordered:
+            if len(kept) >= cfg.limit or attempts >= cfg.max_attempts:
+                break
+            key = (m.path, m.function)
+            if per_function.get(key, 0) >= cfg.per_function:
+                continue
+            attempts += 1
+            task = await _try(scratch, m, cfg, plugin_dir, failing_files, out, repo.name)
+            if task is not None:
+                kept.append(task)
+                per_function[key] = per_function.get(key, 0) + 1
+        return kept
+
+
+def _interleave(candidates: list[Mutation], rng: random.Random) -> list[Mutation]:
+    """Shuffled, with the kinds taking turns so a suite is not all one kind of bug."""
+    by_kind: dict[str, list[Mutation]] = {}
+    for m in candidates:
+        by_kind.setdefault(m.kind, []).append(m)
+    for ms in by_kind.values():
+        rng.shuffle(ms)
+    kinds = sorted(by_kind)
+    rng.shuffle(kinds)
+    ordered: list[Mutation] = []
+    while any(by_kind.values()):
+        for k in kinds:
+            if by_kind[k]:
+                ordered.append(by_kind[k].pop())
+    return ordered
+
+
+async def _try(
+    scratch: Path,
+    m: Mutation,
+    cfg: MineConfig,
+    plugin_dir: Path,
+    failing_files: set[str],
+    out: Path,
+    name: str,
+) -> Path | None:
+    target = scratch / m.path
+    original = target.read_bytes()
+    try:
+        broken_file = m.apply(original)
+        target.write_bytes(broken_file)
+        result = await _run_tests(
+            scratch, cfg, sorted(set(m.tests)), trace=False, plugin_dir=plugin_dir
+        )
+        failed = {
+            k: v
+            for k, v in result["outcomes"].items()
+            if v["outcome"] == "failed" and v.get("when") == "call"
+        }
+        if not failed or result["exitstatus"] not in (1,):
+            return None  # nothing failed, or pytest itself broke (collection, internal error)
+        files = sorted({k.split("::")[0] for k in failed} | set())
+        if set(files) & failing_files:
+            return None  # a file with tests that fail anyway is no verify command
+        digest = hashlib.sha1(f"{m.path}:{m.start}:{m.new}".encode()).hexdigest()[:8]
+        task_id = f"{_slug(name)}-{_slug(m.function)}-{digest}"
+        first, error = next(iter(sorted(failed.items())))
+        verify = _pytest_cmd(cfg, files)
+        query = _query(first, error["error"], len(failed), cfg.env_prefix)
+        broken = pack_dir(scratch)
+        dest = write_task(
+            out / task_id,
+            query=query,
+            verify=verify,
+            repo_tar=broken,
+            timeout_s=900,
+            command_timeout_s=cfg.test_timeout_s,
+            protect=files,
+            source=cfg.source or f"mined:{name}",
+        )
+        solution = {
+            "answer": "",
+            "kind": m.kind,
+            "line": m.line,
+            "function": m.function,
+            "edits": [
+                {
+                    "path": m.path,
+                    "old": _lines_around(broken_file, m.start, m.start + len(m.new.encode())),
+                    "new": _lines_around(original, m.start, m.end),
+                }
+            ],
+        }
+        (dest / "solution.json").write_text(json.dumps(solution, indent=1) + "\n")
+    finally:
+        target.write_bytes(original)
+    if await _verified(dest, m, cfg):
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    return None
+
+
+async def _verified(task_dir: Path, m: Mutation, cfg: MineConfig) -> bool:
+    """In the sandbox: verify fails on the task as written, and passes once the
+    original code is restored."""
+    from opencomposer.training.tasks import load_task, safe_extract
+
+    task = load_task(task_dir)
+    sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30)
+    with tempfile.TemporaryDirectory(prefix="oc-mine-verify-") as tmp:
+        ws = Path(tmp) / "repo"
+        safe_extract(task.repo_tar, ws)
+        before = await run_command(task.verify, cwd=ws, sandbox=sandbox)
+        if before.exit_code == 0:
+            return False
+        text = (ws / m.path).read_bytes()
+        (ws / m.path).write_bytes(
+            text[: m.start] + m.old.encode() + text[m.start + len(m.new.encode()) :]
+        )
+        after = await run_command(task.verify, cwd=ws, sandbox=sandbox)
+        return after.exit_code == 0
+
+
+def _query(test: str, error: str, n_failed: int, env_prefix: str) -> str:
+    lines = [ln for ln in error.splitlines() if ln.startswith("E ")]
+    if not lines:
+        lines = [ln for ln in error.strip().splitlines() if ln.strip()][-3:]
+    excerpt = "\n".join(lines[:8])
+    more = f" ({n_failed} tests fail in all)" if n_failed > 1 else ""
+    prefix = f"{env_prefix} " if env_prefix else ""
+    return (
+        f"`{test}` started failing{more}. `{prefix}python -m pytest {shlex.quote(test)}` gives:\n\n"
+        f"```\n{excerpt}\n```\n\n"
+        "The test is right; find the bug in the code and fix it."
+    )
+
+
+def _lines_around(source: bytes, start: int, end: int) -> str:
+    """The whole lines of `source` that hold the byte range [start, end)."""
+    first = source.rfind(b"\n", 0, start) + 1
+    last = source.find(b"\n", end)
+    return source[first : len(source) if last < 0 else last].decode("utf-8", errors="replace")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "x"
+
+
+# ---------------------------------------------------------------- PyPI libraries
+
+
+PYPI_LIBRARIES: dict[str, dict[str, str]] = {
+    # name -> where its tests are and what they need; all pure Python, pytest only
+    "inflection": {"tests": "test_inflection.py"},
+    "toolz": {"tests": "toolz/tests/test_itertoolz.py toolz/tests/test_dicttoolz.py"},
+    "more-itertools": {"tests": "tests/test_recipes.py"},
+    "six": {"tests": "test_six.py"},
+}
+
+
+def fetch_sdist(name: str, dest: Path) -> Path:
+    """Download and unpack `name`'s sdist (PyPI, `pip download --no-binary :all: --no-deps`)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    dl = dest / "download"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            name,
+            "-d",
+            str(dl),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    archives = sorted(dl.glob("*.tar.gz")) if dl.is_dir() else []
+    if proc.returncode != 0 or not archives:
+        raise TaskError(f"pip download {name} failed: {' '.join(proc.stderr.split())[-300:]}")
+    from opencomposer.training.tasks import safe_extract
+
+    safe_extract(archives[0], dest / "src")
+    roots = [p for p in (dest / "src").iterdir() if p.is_dir()]
+    if len(roots) != 1:
+        raise TaskError(f"{archives[0].name}: expected one top-level folder")
+    return roots[0]
+
+
+def mine_pypi(name: str, *, out: Path, limit: int = 5, seed: int = 0) -> list[Path]:
+    """Mine tasks from a PyPI library's sdist and its own test suite."""
+    info = PYPI_LIBRARIES.get(name, {})
+    with tempfile.TemporaryDirectory(prefix="oc-pypi-") as tmp:
+        root = fetch_sdist(name, Path(tmp))
+        prefix = "PYTHONPATH=src" if (root / "src").is_dir() else ""
+        cfg = MineConfig(
+            limit=limit,
+            seed=seed,
+            tests=tuple(info.get("tests", "").split()),
+            source=f"mined:pypi:{root.name}",
+            env_prefix=prefix,
+        )
+        return mine(root, out=out, limit=limit, config=cfg)
+
+
+# ---------------------------------------------------------------- this repository (`own`)
+
+# Fast, pure test files of this repository and what they test (no engines, no servers).
+OWN_TARGETS: tuple[tuple[str, str], ...] = (
+    ("agent/xmlcalls.py", "tests/agent/test_xmlcalls.py"),
+    ("tools/output.py", "tests/tools/test_tools_output.py"),
+    ("tools/workspace.py", "tests/tools/test_tools_workspace.py"),
+    ("tools/files.py", "tests/tools/test_tools_files.py"),
+)
+OWN_LIMIT = 8
+OWN_VERSION = 1
+_PACKAGES = ("agent", "tools", "index", "server", "clients", "training", "kernels")
+
+_OWN_CONFTEST = """# Added by opencomposer's task miner: import `opencomposer.*` from this checkout,
+# not from wherever the package is installed.
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "_oc_shim"))
+"""
+
+
+def project_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def prepare_own(scratch: Path) -> None:
+    """Make `import opencomposer.X` resolve to the copy's folder X: a shim package of
+    relative symlinks and a root conftest.py that puts it first on sys.path."""
+    shim = scratch / "_oc_shim" / "opencomposer"
+    shim.mkdir(parents=True, exist_ok=True)
+    for pkg in _PACKAGES:
+        if (scratch / pkg).is_dir():
+            (shim / pkg).symlink_to(Path("..", "..", pkg))
+    conftest = scratch / "conftest.py"
+    existing = conftest.read_text() if conftest.exists() else ""
+    conftest.write_text(_OWN_CONFTEST + ("\n" + existing if existing else ""))
+
+
+def _own_files(root: Path) -> list[str]:
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    return [f for f in listed if f.split("/")[0] in (*_PACKAGES, "tests") or f == "pyproject.toml"]
+
+
+def own_suite_dir() -> Path:
+    from opencomposer.agent.traces import home
+
+    root = project_root()
+    h = hashlib.sha1(f"v{OWN_VERSION}".encode())
+    for src, test in OWN_TARGETS:
+        for rel in (src, test):
+            p = root / rel
+            h.update(rel.encode() + (p.read_bytes() if p.exists() else b""))
+    return home() / "suites" / f"own-{h.hexdigest()[:12]}"
+
+
+def ensure_own_suite(limit: int = OWN_LIMIT) -> list[Path]:
+    """The `own` suite's task folders: mined from this repository's tracked source on
+    first use (a few minutes), cached by the content of the mined files."""
+    d = own_suite_dir()
+    if not (d / ".complete").exists():
+        root = project_root()
+        with tempfile.TemporaryDirectory(prefix="oc-own-") as tmp:
+            snap = Path(tmp) / "opencomposer"
+            files = _own_files(root)
+            if not files:
+                raise TaskError(
+                    f"{root}: not a git checkout of opencomposer; cannot mine the own suite"
+                )
+            for rel in files:
+                if (root / rel).is_file():
+                    (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(root / rel, snap / rel)
+            targets = [
+                (s, t) for s, t in OWN_TARGETS if (snap / s).exists() and (snap / t).exists()
+            ]
+            if not targets:
+                raise TaskError("none of the own suite's target tests exist in this checkout")
+            d.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=d.name + ".", dir=d.parent))
+            cfg = MineConfig(
+                limit=limit,
+                sources=tuple(s for s, _ in targets),
+                tests=tuple(t for _, t in targets),
+                source="mined:own",
+                prepare=prepare_own,
+                test_timeout_s=120,
+            )
+            mine(snap, out=staging, limit=limit, config=cfg)
+            (staging / ".complete").write_text("")
+            shutil.rmtree(d, ignore_errors=True)
+            try:
+                os.replace(staging, d)
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
+    return sorted(p for p in d.iterdir() if (p / "task.toml").is_file())
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Mine bug-injection tasks from a repository.")
+    ap.add_argument("repo", nargs="?", type=Path)
+    ap.add_argument("--pypi", help="mine a PyPI library's sdist instead")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--limit", type=int, default=10)
+    ns = ap.parse_args()
+    try:
+        made = (
+            mine_pypi(ns.pypi, out=ns.out, limit=ns.limit)
+            if ns.pypi
+            else mine(ns.repo, out=ns.out, limit=ns.limit)
+        )
+    except TaskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for p in made:
+        print(p)
