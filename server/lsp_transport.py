@@ -37,6 +37,10 @@ class Connection(Protocol):
 
     def stop_requested(self) -> bool: ...
 
+    def warm_up(self) -> None:
+        """Prepare for the handshake (called before the first message is read)."""
+        ...
+
     async def disconnected(self) -> None:
         """The transport closed: stop this connection's sessions, mark their traces."""
         ...
@@ -178,6 +182,7 @@ def claim_stdio() -> tuple[Any, Any]:
 async def serve_stdio(make_conn: Callable[[], Connection]) -> None:
     inp, out = claim_stdio()
     conn = make_conn()
+    conn.warm_up()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=2**20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), inp)
@@ -196,6 +201,7 @@ async def serve_tcp(
         writer = FrameWriter(stream.write, stream.close)
         await run_connection(make_conn(), reader, writer)
 
+    make_conn().warm_up()  # the serialisers are shared by all connections
     server = await asyncio.start_server(on_client, host, port, limit=2**20)
     bound_host, bound_port = server.sockets[0].getsockname()[:2]
     if on_listening is not None:

@@ -436,3 +436,34 @@ async def test_search_sees_the_unsaved_buffer_through_the_index(spawn, repo, tmp
             break
         await asyncio.sleep(0.1)
     assert hits[0]["path"] == "calc.py" and "zebra_unicorn_total" in hits[0]["text"]
+
+
+def test_demo_lsp_fixes_the_sample_repo_through_the_server(tmp_path, home):
+    """examples/demo_lsp.py (what `make demo` runs) with a scripted model."""
+    import subprocess
+    import sys
+
+    from lsp_harness import REPO, server_env
+
+    turns = [
+        '<edit_file path="shop/cart.py">\n<old>        return sum(item.price for item in self.items)</old>\n'
+        "<new>        return sum(item.price * item.quantity for item in self.items)</new>\n</edit_file>",
+        "Fixed: subtotal counts quantities.",
+    ]
+    spec = scripted(tmp_path / "m.json", turns, 2000)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo_lsp.py"), "--model", spec],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=server_env(home),
+        cwd=str(REPO),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "▶ edit_file" in text and "+        return sum(item.price * item.quantity" in text
+    assert "status: completed" in text and f"trace: {home}/traces.db#" in text
+    assert (
+        "passed" in text.split("tests after the session")[-1]
+        and "failed" not in text.split("tests after the session")[-1]
+    )
