@@ -1,0 +1,74 @@
+"""What the two in-process backends (vLLM, transformers) share: the model folder's
+context window (read from config.json, no import needed) and one tokenizer that
+renders the chat template into prompt token ids and counts tokens.
+
+The prompt is tokenized here, not inside the engine, so that the token ids
+recorded in a trace are exactly the ones the engine was given.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.protocols import Message, ModelError
+
+DEFAULT_CONTEXT_WINDOW = 8192
+
+
+def read_context_window(path: str | Path) -> int:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT_WINDOW
+    text = config.get("text_config", config)
+    value = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return int(value) if value else DEFAULT_CONTEXT_WINDOW
+
+
+class ChatTokenizer:
+    """A lazily loaded Hugging Face tokenizer with the model's chat template."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._tok: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def hf(self) -> Any:
+        if self._tok is None:
+            with self._lock:
+                if self._tok is None:
+                    from transformers import AutoTokenizer
+
+                    self._tok = AutoTokenizer.from_pretrained(self.path)
+        return self._tok
+
+    def count(self, text: str) -> int:
+        return len(self.hf.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]:
+        tok = self.hf
+        if not tok.chat_template:
+            raise ModelError(f"the tokenizer of {self.path} has no chat template")
+        text = tok.apply_chat_template(
+            [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        # The template already holds the special tokens; do not add BOS twice.
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def stop_ids(self) -> set[int]:
+        tok = self.hf
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        vocab = tok.get_vocab()
+        ids.update(vocab[t] for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>") if t in vocab)
+        return ids
+
+
+def check_fits(prompt_len: int, window: int) -> None:
+    if prompt_len >= window:
+        raise ModelError(
+            f"the prompt is {prompt_len} tokens, over the model's context window of {window}"
+        )

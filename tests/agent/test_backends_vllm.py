@@ -1,0 +1,95 @@
+"""vLLM in-process on the embedded SmolLM2 (slow: the engine start takes ~25 s idle,
+minutes on a loaded 2-core machine, so one engine serves every check here).
+
+Guards: token ids and logprobs that match the tokenizer and a transformers forward
+pass; concurrent sessions on one engine; `aclose()` aborting in the engine; an
+in-place weight reload that changes the outputs and the recorded `weight_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opencomposer.agent.backends import make_model
+from opencomposer.agent.backends.vllm import VLLMModel
+from opencomposer.agent.protocols import Message, Sampling
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+QUESTION = [Message(role="user", content="What is the capital of France?")]
+GREEDY = Sampling(temperature=0, max_tokens=16)
+
+
+async def generate(model: VLLMModel, messages=QUESTION, sampling=GREEDY):
+    stream = model.stream(messages, sampling)
+    deltas = [d async for d in stream]
+    assert stream.output is not None and "".join(deltas) == stream.output.text
+    return stream.output
+
+
+def reference_logprobs(folder: str, prompt: list[int], completion: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
+
+
+async def test_vllm_engine_end_to_end() -> None:
+    model = make_model("smollm2")
+    assert isinstance(model, VLLMModel) and model.context_window == 8192
+    try:
+        # A greedy turn: text, ids and logprobs agree with the tokenizer and transformers.
+        out = await generate(model)
+        assert "Paris" in out.text, out.text
+        assert out.finish_reason == "stop" and out.weight_version == 0
+        tok = model.tokenizer.hf
+        assert out.prompt_token_ids == model.tokenizer.prompt_ids(QUESTION)
+        ids = out.completion_token_ids
+        assert ids and len(ids) == len(out.completion_logprobs) == out.completion_tokens
+        assert tok.decode(ids, skip_special_tokens=True) == out.text
+        reference = reference_logprobs(model.path, out.prompt_token_ids, ids)
+        assert out.completion_logprobs == pytest.approx(reference, abs=0.2)
+
+        # Eight sessions at once on the one engine.
+        prompts = [[Message(role="user", content=f"Count from 1 to {n}.")] for n in range(5, 13)]
+        outs = await asyncio.gather(
+            *(
+                generate(model, p, Sampling(temperature=0.8, max_tokens=24, seed=i))
+                for i, p in enumerate(prompts)
+            )
+        )
+        assert all(o.completion_token_ids and o.text for o in outs)
+
+        # Cancellation aborts the request inside the engine.
+        stream = model.stream(QUESTION, Sampling(temperature=1.0, max_tokens=1000, seed=7))
+        got = []
+        async for delta in stream:
+            got.append(delta)
+            if len(got) == 3:
+                await stream.aclose()
+        assert stream.output.finish_reason == "cancelled"
+        assert stream.output.completion_tokens < 100
+        await asyncio.sleep(0.5)
+        assert model._engine.get_num_unfinished_requests() == 0
+
+        # Weight sync: damaged weights change the greedy answer and the version ...
+        from safetensors.torch import load_file
+
+        original = load_file(f"{model.path}/model.safetensors")
+        damaged = {k: (v * 0.3 if ".mlp." in k else v) for k, v in original.items()}
+        await model.reload_weights(damaged.items(), version=1)
+        after = await generate(model)
+        assert after.weight_version == 1
+        assert after.completion_token_ids != ids
+        # ... and reloading the original folder restores it exactly.
+        await model.reload_weights(model.path, version=2)
+        restored = await generate(model)
+        assert restored.weight_version == 2
+        assert restored.completion_token_ids == ids
+    finally:
+        await model.close()
