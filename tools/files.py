@@ -31,6 +31,7 @@ READ_MAX_CHARS = 60_000
 LINE_MAX_CHARS = 2000
 DIFF_MAX_CHARS = 4000
 LIST_MAX_ENTRIES = 400
+LIST_MAX_SCAN = 50_000  # entries walked (for the hidden-file counts) before giving up
 
 
 # -- shared helpers ------------------------------------------------------------
@@ -401,7 +402,11 @@ async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResu
 
     children: dict[str, list[tuple[str, bool]]] = {}
     hidden: dict[str, int] = {}
+    scanned = 0
     for rel, is_dir in walk(ws.root, start, include_dirs=True):
+        scanned += 1
+        if scanned > LIST_MAX_SCAN:
+            break
         parent, _, name = rel.rpartition("/")
         level = rel.count("/") + 1 - base_depth
         if level > depth:
@@ -430,6 +435,8 @@ async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResu
 
     emit(start, 1)
     total = sum(len(v) for v in children.values())
+    if scanned > LIST_MAX_SCAN:
+        lines.append(f"[stopped after {LIST_MAX_SCAN} entries; counts are partial]")
     if count == 0:
         lines.append("  (empty)")
     elif total > count:

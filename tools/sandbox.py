@@ -12,10 +12,15 @@ What bounds what (measured on this kind of machine, root inside a VM):
 - Network: `--unshare-all` gives the command its own empty network namespace.
 - Processes: RLIMIT_NPROC does *not* bound a root user (the kernel skips the check
   for the initial user, and a user namespace keeps that kernel uid). What does is a
-  `pids` cgroup (v1 or v2) with `pids.max`; when one can be made, the sandbox joins
-  it before exec, and the first refused fork ends the run ("process limit"). Where
-  no cgroup can be made, a watchdog counts the processes in the sandbox's PID
-  namespace every few milliseconds and kills it past the limit.
+  `pids` cgroup (v1 or v2) with `pids.max`; the first refused fork ends the run
+  ("process limit"). Where no cgroup can be made, a watchdog counts the processes
+  in the sandbox's PID namespace every 20 ms and kills it past the limit.
+- Start-up: bwrap is started with `--json-status-fd` and `--block-fd`; while it
+  builds its namespaces, a thread reads its namespace init's pid, applies the
+  rlimits (prlimit) and moves it into the cgroups, then unblocks it, so the
+  command and all its children are born confined. Moving a task between v1
+  cgroups costs an RCU grace period (~30 ms here); done this way it overlaps
+  bwrap's own set-up instead of adding to it.
 - Memory: RLIMIT_AS per process, plus a memory cgroup limit on the whole tree when
   one can be made; /tmp is a size-capped tmpfs.
 - Time and cancellation: the command runs in its own PID namespace whose init is
@@ -168,12 +173,15 @@ class Cgroup:
             return None
         return cls(dirs, config.max_processes)
 
-    def join(self) -> None:
-        """Move the calling process in (runs in the child between fork and exec)."""
-        pid = str(os.getpid())
+    def attach(self, pid: int) -> None:
+        """Move process `pid` in; its children to come are born inside.
+
+        On cgroup v1 this takes one RCU grace period (~30 ms here), which is why the
+        sandbox does it while bwrap builds the namespaces rather than before exec.
+        """
         for folder in self.dirs.values():
             with open(folder / "cgroup.procs", "w") as f:
-                f.write(pid)
+                f.write(str(pid))
 
     def _event(self, controller: str, files: tuple[str, ...], key: str) -> int:
         folder = self.dirs.get(controller)
@@ -220,11 +228,12 @@ class Cgroup:
         What is still there after `within_s` is left to `_sweep` in a later run.
         """
         deadline = time.monotonic() + within_s
-        while True:
+        for attempt in itertools.count():
             self.kill_all()
             if self.remove() or time.monotonic() > deadline:
                 return
-            await asyncio.sleep(0.01)
+            # The kernel lets go of exited tasks a moment after they are reaped.
+            await asyncio.sleep(0.001 if attempt < 20 else 0.01)
 
 
 def _cgroup_parents() -> dict[str, Path]:
@@ -267,11 +276,10 @@ def _sweep(parent: Path) -> None:
 # -- the namespace watchdog (where no pids cgroup can be made) -------------------
 
 
-def _pid_ns_of_child(pid: int) -> str | None:
+def _pid_ns(pid: int) -> str | None:
     try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return os.readlink(f"/proc/{kids[0]}/ns/pid") if kids else None
-    except (OSError, IndexError):
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
         return None
 
 
@@ -288,13 +296,65 @@ def _count_in_ns(ns: str) -> int:
 # -- running ------------------------------------------------------------------
 
 
+def _limits(config: SandboxConfig) -> list[tuple[int, int]]:
+    return [
+        (resource.RLIMIT_AS, config.memory_mb * 1024 * 1024),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_FSIZE, MAX_FILE_BYTES),
+    ]
+
+
 def _child_setup(config: SandboxConfig, cgroup: Cgroup | None) -> None:
-    memory = config.memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+    """Mode off: limits and cgroup applied in the child between fork and exec."""
+    for which, value in _limits(config):
+        resource.setrlimit(which, (value, value))
     if cgroup is not None:
-        cgroup.join()
+        cgroup.attach(os.getpid())
+
+
+def _read_child_pid(fd: int) -> int | None:
+    """The namespace init's host pid from bwrap's --json-status-fd; None if bwrap failed."""
+    buf = b""
+    while True:
+        m = re.search(rb'"child-pid"\s*:\s*(\d+)', buf)
+        if m:
+            return int(m.group(1))
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        buf += chunk
+
+
+def _open_gate(
+    status_fd: int, block_fd: int, config: SandboxConfig, cgroup: Cgroup | None
+) -> tuple[int | None, bool]:
+    """Confine bwrap's namespace init while it is held at --block-fd, then let it go.
+
+    Returns (init pid, whether the cgroup took it). Runs in a thread: the cgroup
+    move costs an RCU grace period, spent while bwrap sets up its namespaces.
+    """
+    attached = cgroup is not None
+    try:
+        pid = _read_child_pid(status_fd)
+        if pid is None:
+            return None, False
+        try:
+            for which, value in _limits(config):
+                resource.prlimit(pid, which, (value, value))
+            if cgroup is not None:
+                try:
+                    cgroup.attach(pid)
+                except OSError as e:
+                    if isinstance(e, ProcessLookupError):
+                        raise
+                    attached = False
+        except ProcessLookupError:
+            return None, False  # bwrap already gave up; its output says why
+        return pid, attached
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(block_fd, b"1")
+        os.close(block_fd)
 
 
 async def _pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
@@ -305,10 +365,18 @@ async def _pump(stream: asyncio.StreamReader, capture: OutputCapture) -> None:
 class _Run:
     """One started command: its process, its cgroup and how to end it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, cgroup: Cgroup | None, sandboxed: bool):
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        cgroup: Cgroup | None,
+        *,
+        init_pid: int | None = None,
+        status_fd: int | None = None,
+    ) -> None:
         self.proc = proc
         self.cgroup = cgroup
-        self.sandboxed = sandboxed
+        self.init_pid = init_pid  # bwrap's namespace init (None in mode off)
+        self.status_fd = status_fd
 
     def kill(self) -> None:
         # os.kill, not proc.kill(): Popen.send_signal polls first, which can reap the
@@ -321,10 +389,17 @@ class _Run:
         if self.cgroup is not None:
             self.cgroup.kill_all()
 
+    async def close(self) -> None:
+        if self.status_fd is not None:
+            os.close(self.status_fd)
+            self.status_fd = None
+        if self.cgroup is not None:
+            await self.cgroup.close()
+
     async def supervise(self, deadline: float, max_processes: int) -> str | None:
         """Wait for the end; the reason it was killed, or None if it ended by itself."""
         waiter = asyncio.ensure_future(self.proc.wait())
-        ns: str | None = None
+        ns = _pid_ns(self.init_pid) if self.init_pid is not None else None
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -336,12 +411,62 @@ class _Run:
                 if self.cgroup is not None:
                     if self.cgroup.forks_refused():
                         return "process limit"
-                elif self.sandboxed:
-                    ns = ns or _pid_ns_of_child(self.proc.pid)
-                    if ns and _count_in_ns(ns) > max_processes:
-                        return "process limit"
+                elif ns is not None and _count_in_ns(ns) > max_processes:
+                    return "process limit"
         finally:
             waiter.cancel()
+
+
+async def _spawn(argv: list[str], root: Path, **kw: object) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=str(root),
+        env=sandbox_env(),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
+    cgroup = Cgroup.create(config)
+    if config.mode == "off":
+        try:
+            proc = await _spawn(argv, root, preexec_fn=lambda: _child_setup(config, cgroup))
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        return _Run(proc, cgroup)
+
+    status_r, status_w = os.pipe()
+    block_r, block_w = os.pipe()
+    gated = [argv[0], "--json-status-fd", str(status_w), "--block-fd", str(block_r), *argv[1:]]
+    try:
+        proc = await _spawn(gated, root, pass_fds=(status_w, block_r))
+    except BaseException:
+        os.close(status_r)
+        os.close(block_w)
+        if cgroup is not None:
+            cgroup.remove()
+        raise
+    finally:
+        os.close(status_w)
+        os.close(block_r)
+    run = _Run(proc, cgroup, status_fd=status_r)
+    try:
+        init_pid, attached = await asyncio.to_thread(_open_gate, status_r, block_w, config, cgroup)
+    except BaseException:
+        run.kill()
+        asyncio.ensure_future(_reap(run))
+        raise
+    run.init_pid = init_pid
+    if cgroup is not None and not attached:
+        cgroup.remove()
+        run.cgroup = None  # the watchdog bounds processes instead
+    return run
 
 
 async def run_sandboxed(
@@ -359,29 +484,17 @@ async def run_sandboxed(
     limit = config.timeout_s if timeout_s is None else timeout_s
     if limit <= 0:
         raise SandboxError(f"timeout must be positive, got {limit}")
-    cgroup = Cgroup.create(config)
     capture = OutputCapture(config.output_limit)
     start = time.monotonic()
-    spawn = asyncio.ensure_future(
-        asyncio.create_subprocess_exec(
-            *argv,
-            cwd=str(root),
-            env=sandbox_env(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: _child_setup(config, cgroup),
-        )
-    )
+    starting = asyncio.ensure_future(_start(argv, root, config))
     try:
-        # Shielded: a cancellation that lands while asyncio connects the pipes must not
-        # orphan a process that has already started; the callback kills it instead.
-        proc = await asyncio.shield(spawn)
+        # Shielded: a cancellation that lands while the process is being started must
+        # not orphan it; the callback kills it as soon as it exists instead.
+        run = await asyncio.shield(starting)
     except BaseException:
-        spawn.add_done_callback(lambda f: _kill_spawned(f, cgroup))
+        starting.add_done_callback(_kill_started)
         raise
-    run = _Run(proc, cgroup, sandboxed=config.mode != "off")
+    proc = run.proc
     assert proc.stdout is not None
     reader = asyncio.ensure_future(_pump(proc.stdout, capture))
     reason: str | None = None
@@ -390,7 +503,7 @@ async def run_sandboxed(
     except BaseException:
         run.kill()
         reader.cancel()
-        asyncio.ensure_future(_reap(proc, cgroup))
+        asyncio.ensure_future(_reap(run))
         raise
     if reason is not None:
         run.kill()
@@ -401,10 +514,9 @@ async def run_sandboxed(
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(asyncio.shield(reader), DRAIN_S)
     reader.cancel()
-    if cgroup is not None:
-        if reason is None and cgroup.oom_kills():
-            reason = "memory limit"
-        await cgroup.close()
+    if reason is None and run.cgroup is not None and run.cgroup.oom_kills():
+        reason = "memory limit"
+    await run.close()
     return CommandResult(
         exit_code=code,
         output=capture.text(),
@@ -414,18 +526,15 @@ async def run_sandboxed(
     )
 
 
-def _kill_spawned(spawn: asyncio.Future[asyncio.subprocess.Process], cgroup: Cgroup | None) -> None:
-    if spawn.cancelled() or spawn.exception() is not None:
-        if cgroup is not None:
-            cgroup.remove()
+def _kill_started(starting: asyncio.Future[_Run]) -> None:
+    if starting.cancelled() or starting.exception() is not None:
         return
-    proc = spawn.result()
-    _Run(proc, cgroup, sandboxed=True).kill()
-    asyncio.ensure_future(_reap(proc, cgroup))
+    run = starting.result()
+    run.kill()
+    asyncio.ensure_future(_reap(run))
 
 
-async def _reap(proc: asyncio.subprocess.Process, cgroup: Cgroup | None) -> None:
+async def _reap(run: _Run) -> None:
     with contextlib.suppress(Exception):
-        await proc.wait()
-    if cgroup is not None:
-        await cgroup.close()
+        await run.proc.wait()
+    await run.close()

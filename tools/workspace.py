@@ -81,7 +81,10 @@ class LocalWorkspace:
         if "\0" in path:
             raise PathError(f"path {path!r} contains a NUL byte")
         cleaned = path.strip()
-        if cleaned.startswith(("/", "\\", "~")) or (len(cleaned) > 1 and cleaned[1] == ":"):
+        drive = (
+            len(cleaned) > 2 and cleaned[0].isalpha() and cleaned[1] == ":" and cleaned[2] in "/\\"
+        )
+        if cleaned.startswith(("/", "\\", "~")) or drive:
             raise PathError(f"path {path} is absolute; use a path relative to the workspace root")
         real = (self.root / cleaned).resolve()
         if real != self.root and not real.is_relative_to(self.root):

@@ -210,3 +210,19 @@ async def test_without_bwrap_other_modes_refuse(
 async def test_exit_codes_pass_through(root: Path) -> None:
     r = await run_sandboxed("echo out; echo err >&2; exit 3", root=root, config=cfg())
     assert r.exit_code == 3 and r.output == "out\nerr\n" and not r.ok
+
+
+async def test_limits_are_applied_before_the_command_starts(root: Path) -> None:
+    r = await run_sandboxed("ulimit -v; ulimit -c", root=root, config=cfg(memory_mb=300))
+    assert r.output == f"{300 * 1024}\n0\n"
+
+
+async def test_bwrap_failing_at_start_is_reported_not_hung(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = sandbox.sandbox_argv
+    monkeypatch.setattr(
+        sandbox, "sandbox_argv", lambda *a: [real(*a)[0], "--no-such-option", *real(*a)[1:]]
+    )
+    r = await run_sandboxed("true", root=root, config=cfg())
+    assert r.exit_code != 0 and "no-such-option" in r.output

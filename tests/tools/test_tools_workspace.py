@@ -25,7 +25,7 @@ def test_implements_the_protocol(ws: LocalWorkspace) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["../outside.txt", "src/../../outside.txt", "/etc/passwd", "~/x", "a\0b", "C:\\x"],
+    ["../outside.txt", "src/../../outside.txt", "/etc/passwd", "~/x", "a\0b", "C:\\x", "C:/x"],
 )
 def test_resolve_refuses_escapes(ws: LocalWorkspace, bad: str) -> None:
     with pytest.raises(PathError) as e:
@@ -126,3 +126,8 @@ def test_walk_respects_nested_gitignore_and_skips_git(ws: LocalWorkspace, tmp_pa
     assert files == [".gitignore", "pkg/.gitignore", "pkg/keep.log", "pkg/mod.py", "src/app.py"]
     assert list(walk_files(root, "pkg")) == ["pkg/.gitignore", "pkg/keep.log", "pkg/mod.py"]
     assert ("pkg", True) in list(walk(root, include_dirs=True))
+
+
+def test_odd_but_inside_names_are_fine(ws: LocalWorkspace) -> None:
+    assert ws.resolve("a:b.txt") == ws.root / "a:b.txt"
+    assert ws.resolve(" src/app.py ") == ws.root / "src" / "app.py"
