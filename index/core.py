@@ -1,0 +1,702 @@
+"""`CodebaseIndex`: the persistent, incremental hybrid index behind `codebase_search`.
+
+Storage is one SQLite database in `<workspace>/.opencomposer/index/index.db`
+(WAL mode, so readers never see a half-written update):
+
+- `files`   path -> content hash, size, mtime (the Merkle tree's leaves),
+- `chunks`  one row per chunk (path, line span, symbol, scope, text, vector key),
+- `vectors` vector key (hash of the embedded text) -> float16 vector, so a chunk
+  whose text did not change is never embedded again, even when its lines moved,
+- `lex`     an FTS5 table of identifier-split terms (BM25),
+- `meta`    format version, embedder identity, chunker settings, a generation
+  counter that tells other processes to reload.
+
+Vectors live in FAISS in memory, rebuilt from `vectors` at open: an exact
+`IndexFlatIP` up to `FLAT_MAX` chunks, an `IndexIVFFlat` beyond (both remove ids
+correctly, unlike HNSW). A query runs both retrievers and fuses their ranks
+(reciprocal-rank fusion, `RRF_K`, lexical weight `LEXICAL_WEIGHT`); the
+benchmark `benchmarks/retrieval.py` measures fusion against each alone.
+
+Writers hold an exclusive `flock` on `.opencomposer/index/lock`, so two indexers
+never interleave; the second waits and then finds nothing left to do. A
+database that fails its integrity check, or was written by another format
+version or embedder, is deleted and rebuilt with a one-line warning.
+
+Thread safety: every public method takes one re-entrant lock, so the language
+server may call them from `asyncio.to_thread` concurrently.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .chunking import Chunk, ChunkConfig, chunk_text
+from .embed import Embedder, EmbedderConfig
+from .files import WalkConfig, content_skip_reason, decode, name_skip_reason, walk
+from .lexical import FTS_TOKENIZER, document, fts_query
+from .merkle import Tree, content_hash, diff
+
+log = logging.getLogger("opencomposer.index")
+
+FORMAT_VERSION = 3
+INDEX_DIR = Path(".opencomposer") / "index"
+FLAT_MAX = 150_000
+RRF_K = 60
+LEXICAL_WEIGHT = 1.0
+CANDIDATES = 50
+# Files whose mtime is this recent may still change within the same mtime tick.
+RACY_S = 2.0
+LOCK_WAIT_S = 600.0
+
+# progress(phase, done, total): phase is "scan", "embed" or "save".
+Progress = Callable[[str, int, int], None]
+
+
+class IndexProblem(Exception):
+    """A problem the user can act on (one line)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hit:
+    path: str
+    start_line: int
+    end_line: int
+    score: float
+    text: str = ""
+    symbol: str = ""
+    scope: str = ""
+
+
+@dataclass(kw_only=True)
+class IndexStats:
+    files: int = 0
+    chunks: int = 0
+    files_changed: int = 0
+    files_removed: int = 0
+    chunks_embedded: int = 0
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    # Loading the embedding model (once per process); not part of the rate.
+    load_seconds: float = 0.0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def chunks_per_s(self) -> float:
+        busy = self.seconds - self.load_seconds
+        return self.chunks_embedded / busy if busy > 0 else 0.0
+
+
+def embed_text(chunk: Chunk) -> str:
+    """What the embedder sees: where the chunk lives, its enclosing header, its code."""
+    where = chunk.path + (f" {chunk.scope}" if chunk.scope else "")
+    context = chunk.context.splitlines()[-1].strip() if chunk.context else ""
+    return f"{where}\n{context}\n{chunk.text}" if context else f"{where}\n{chunk.text}"
+
+
+def lexical_names(chunk: Chunk) -> str:
+    return document(f"{chunk.path} {chunk.scope} {chunk.symbol}")
+
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, hash TEXT NOT NULL,
+    size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, path TEXT NOT NULL,
+    start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, symbol TEXT NOT NULL,
+    scope TEXT NOT NULL, text TEXT NOT NULL, vkey TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS chunks_path ON chunks(path);
+CREATE TABLE IF NOT EXISTS vectors (vkey TEXT PRIMARY KEY, vec BLOB NOT NULL);
+CREATE VIRTUAL TABLE IF NOT EXISTS lex USING fts5(names, body, tokenize="{FTS_TOKENIZER}");
+"""
+
+
+class CodebaseIndex:
+    """Hybrid (FAISS + BM25) index of one workspace, persisted under `.opencomposer/index/`."""
+
+    def __init__(self, root: Path, embedder: Embedder, progress: Progress | None = None):
+        self.root = root
+        self.dir = root / INDEX_DIR
+        self.embedder = embedder
+        self.progress = progress
+        self.chunk_config = ChunkConfig()
+        self.walk_config = WalkConfig()
+        self._lock = threading.RLock()
+        self._buffers: dict[str, str] = {}
+        self._db: sqlite3.Connection | None = None
+        self._generation = -1
+        self._meta: dict[int, tuple[str, int, int, str]] = {}
+        self._vectors: Any = None  # faiss index
+        self._tree = Tree.build({})
+
+    # -- life cycle ------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        root: Path,
+        *,
+        embedder: str | None = None,
+        progress: Callable | None = None,
+    ) -> CodebaseIndex:
+        """Load the index of root (or create an empty one); call `refresh()` to build it."""
+        root = Path(root).expanduser().resolve()
+        if not root.is_dir():
+            raise IndexProblem(f"workspace {root} is not a folder")
+        index = cls(root, Embedder(EmbedderConfig.resolve(embedder)), progress)
+        with index._lock:
+            index._connect()
+        return index
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> CodebaseIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def db_path(self) -> Path:
+        return self.dir / "index.db"
+
+    def _expected_meta(self) -> dict[str, str]:
+        return {
+            "format_version": str(FORMAT_VERSION),
+            "embedder": self.embedder.config.key,
+            "chunker": json.dumps(asdict(self.chunk_config), sort_keys=True),
+        }
+
+    def _connect(self) -> None:
+        """Open the database; a corrupt or stale one is replaced (one-line warning)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        gitignore = self.dir.parent / ".gitignore"
+        if not gitignore.exists():
+            try:
+                gitignore.write_text("*\n")
+            except OSError:
+                pass
+        problem = self._try_open()
+        if problem is None:
+            return
+        with self._writer():
+            problem = self._try_open()  # another process may have rebuilt it meanwhile
+            if problem is None:
+                return
+            log.warning("opencomposer: index at %s is %s; rebuilding it", self.dir, problem)
+            self._discard()
+            if (problem := self._try_open()) is not None:
+                raise IndexProblem(f"cannot create the index at {self.db_path}: {problem}")
+
+    def _try_open(self) -> str | None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        fresh = not self.db_path.exists() or self.db_path.stat().st_size == 0
+        try:
+            db = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as e:
+            return f"unreadable ({e})"
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            if not fresh:
+                check = db.execute("PRAGMA quick_check").fetchone()
+                if not check or check[0] != "ok":
+                    raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+                stored = dict(db.execute("SELECT key, value FROM meta").fetchall())
+                for key, want in self._expected_meta().items():
+                    if stored.get(key) != want:
+                        db.close()
+                        return f"stale ({key} changed)"
+            db.executescript(_SCHEMA)
+            if fresh:
+                with db:
+                    db.executemany(
+                        "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                        [*self._expected_meta().items(), ("generation", "0")],
+                    )
+            self._db = db
+            self._load_memory()
+        except (sqlite3.DatabaseError, ValueError) as e:
+            db.close()
+            self._db = None
+            return f"corrupt ({str(e).splitlines()[0][:120]})"
+        return None
+
+    def _discard(self) -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            try:
+                os.unlink(str(self.db_path) + suffix)
+            except FileNotFoundError:
+                pass
+
+    @contextmanager
+    def _writer(self) -> Iterator[None]:
+        """Exclusive across processes (flock) and threads (RLock)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self._lock, open(self.dir / "lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("opencomposer: another process is updating %s; waiting", self.dir)
+                deadline = time.monotonic() + LOCK_WAIT_S
+                while True:
+                    time.sleep(0.05)
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise IndexProblem(
+                                f"index at {self.dir} stayed locked for {LOCK_WAIT_S:.0f} s"
+                            ) from None
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    # -- memory state ------------------------------------------------------------
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise IndexProblem("index is closed")
+        return self._db
+
+    def _stored_generation(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key='generation'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _load_memory(self) -> None:
+        """Chunk metadata, the FAISS index and the Merkle tree from the database."""
+        db = self.db
+        self._generation = self._stored_generation()
+        self._meta = {
+            row[0]: (row[1], row[2], row[3], row[4])
+            for row in db.execute("SELECT id, path, start_line, end_line, symbol FROM chunks")
+        }
+        rows = db.execute(
+            "SELECT c.id, v.vec FROM chunks c JOIN vectors v ON v.vkey = c.vkey"
+        ).fetchall()
+        if len(rows) != len(self._meta):
+            raise ValueError(f"{len(self._meta) - len(rows)} chunks have no vector")
+        ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        vecs = (
+            np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float16)
+            .reshape(len(rows), -1)
+            .astype(np.float32)
+            if rows
+            else np.zeros((0, 0), np.float32)
+        )
+        self._vectors = _vector_index(vecs, ids, self._dim_or(vecs))
+        self._tree = Tree.build(dict(db.execute("SELECT path, hash FROM files").fetchall()))
+
+    def _dim_or(self, vecs: np.ndarray) -> int:
+        if vecs.size:
+            return int(vecs.shape[1])
+        return self.embedder.dim
+
+    def _reload_if_changed(self) -> None:
+        if self._stored_generation() != self._generation:
+            self._load_memory()
+
+    # -- building ------------------------------------------------------------------
+
+    def refresh(self) -> IndexStats:
+        """Bring the index up to date with disk (and open buffers); embed only what changed."""
+        t0 = time.perf_counter()
+        with self._writer():
+            try:
+                stats = self._refresh()
+            except sqlite3.DatabaseError as e:
+                log.warning("opencomposer: index at %s is corrupt (%s); rebuilding it", self.dir, e)
+                self._discard()
+                if (problem := self._try_open()) is not None:
+                    raise IndexProblem(
+                        f"cannot rebuild the index at {self.db_path}: {problem}"
+                    ) from e
+                stats = self._refresh()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _refresh(self) -> IndexStats:
+        self._reload_if_changed()
+        found = walk(self.root, self.walk_config)
+        skipped: Counter[str] = Counter(found.skipped)
+        stored = {
+            row[0]: (row[1], row[2], row[3])
+            for row in self.db.execute("SELECT path, hash, size, mtime_ns FROM files")
+        }
+        hashes: dict[str, str] = {}
+        texts: dict[str, str] = {}
+        stats_of: dict[str, tuple[int, int]] = {}
+        racy = time.time_ns() - int(RACY_S * 1e9)
+        paths = sorted(set(found.files) | set(self._buffers))
+        for i, rel in enumerate(paths):
+            if self.progress and i % 200 == 0:
+                self.progress("scan", i, len(paths))
+            if rel in self._buffers:
+                texts[rel] = self._buffers[rel]
+                hashes[rel] = content_hash(texts[rel].encode("utf-8", errors="replace"))
+                stats_of[rel] = (-1, -1)
+                continue
+            absolute = found.files[rel]
+            try:
+                st = absolute.stat()
+            except OSError:
+                skipped["vanished"] += 1
+                continue
+            old = stored.get(rel)
+            if old is not None and old[1] == st.st_size and old[2] == st.st_mtime_ns:
+                hashes[rel] = old[0]
+                stats_of[rel] = (st.st_size, st.st_mtime_ns)
+                continue
+            try:
+                data = absolute.read_bytes()
+            except OSError:
+                skipped["vanished"] += 1
+                continue
+            reason = content_skip_reason(data, self.walk_config)
+            text = decode(data) if reason is None else None
+            if text is None:
+                skipped[reason or "not UTF-8"] += 1
+                continue
+            hashes[rel] = content_hash(data)
+            texts[rel] = text
+            # A file written within the mtime tick may change again unseen: re-read it next time.
+            stats_of[rel] = (st.st_size, st.st_mtime_ns if st.st_mtime_ns < racy else -1)
+        new_tree = Tree.build(hashes)
+        changes = diff(self._tree, new_tree)
+        # Files whose stat changed but content did not: refresh the stat cache only.
+        restat = [
+            (stats_of[p][0], stats_of[p][1], p)
+            for p in hashes
+            if p in stored and stored[p][0] == hashes[p] and stored[p][1:] != stats_of[p]
+        ]
+        stats = IndexStats(skipped=dict(skipped))
+        todo = changes.added + changes.changed
+        if todo:
+            t_load = time.perf_counter()
+            _ = self.embedder.model  # loaded once per process; timed apart from the build
+            stats.load_seconds = time.perf_counter() - t_load
+        chunks_by_file = {p: chunk_text(p, texts[p], self.chunk_config) for p in todo}
+        embedded, embed_s = self._write(
+            chunks_by_file,
+            removed=changes.removed,
+            file_rows={p: (hashes[p], *stats_of[p]) for p in todo},
+            restat=restat,
+        )
+        self._tree = new_tree
+        stats.files = len(hashes)
+        stats.chunks = len(self._meta)
+        stats.files_changed = len(todo)
+        stats.files_removed = len(changes.removed)
+        stats.chunks_embedded = embedded
+        stats.embed_seconds = embed_s
+        return stats
+
+    def _write(
+        self,
+        chunks_by_file: dict[str, list[Chunk]],
+        *,
+        removed: list[str],
+        file_rows: dict[str, tuple[str, int, int]],
+        restat: list[tuple[int, int, str]] | None = None,
+    ) -> tuple[int, float]:
+        """Replace the chunks of the given files; embed vectors not already stored.
+
+        Work is committed in batches of files, so an interrupted build keeps
+        what it finished. Returns (chunks embedded, seconds spent embedding).
+        """
+        db = self.db
+        if removed or restat:
+            with db:
+                for path in removed:
+                    self._delete_path_rows(path)
+                db.executemany("DELETE FROM files WHERE path = ?", [(p,) for p in removed])
+                if restat:
+                    db.executemany("UPDATE files SET size=?, mtime_ns=? WHERE path=?", restat)
+                self._bump_generation()
+        files = list(chunks_by_file)
+        total = sum(len(c) for c in chunks_by_file.values())
+        done = embedded = 0
+        embed_s = 0.0
+        batch: list[str] = []
+        batch_chunks = 0
+        for n, path in enumerate(files):
+            batch.append(path)
+            batch_chunks += len(chunks_by_file[path])
+            if batch_chunks < 1024 and n + 1 < len(files):
+                continue
+            items = [(p, c, embed_text(c)) for p in batch for c in chunks_by_file[p]]
+            keys = [content_hash(t.encode("utf-8", errors="replace")) for _, _, t in items]
+            have = self._existing_keys(set(keys))
+            need: dict[str, str] = {}
+            for key, (_, _, t) in zip(keys, items, strict=True):
+                if key not in have:
+                    need.setdefault(key, t)
+            t0 = time.perf_counter()
+            vecs = self._embed_with_progress(list(need.values()), done, total)
+            embed_s += time.perf_counter() - t0
+            embedded += len(need)
+            with db:
+                db.executemany(
+                    "INSERT OR REPLACE INTO vectors VALUES (?, ?)",
+                    [(k, v.astype(np.float16).tobytes()) for k, v in zip(need, vecs, strict=True)],
+                )
+                for path in batch:
+                    self._delete_path_rows(path)
+                new_ids: list[int] = []
+                for (path, c, _), key in zip(items, keys, strict=True):
+                    cur = db.execute(
+                        "INSERT INTO chunks (path, start_line, end_line, symbol, scope, text, vkey)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (path, c.start_line, c.end_line, c.symbol, c.scope, c.text, key),
+                    )
+                    cid = int(cur.lastrowid or 0)
+                    new_ids.append(cid)
+                    db.execute(
+                        "INSERT INTO lex (rowid, names, body) VALUES (?, ?, ?)",
+                        (cid, lexical_names(c), document(c.text)),
+                    )
+                    self._meta[cid] = (path, c.start_line, c.end_line, c.symbol)
+                db.executemany(
+                    "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
+                    [(p, *file_rows[p]) for p in batch],
+                )
+                self._bump_generation()
+            all_vecs = self._vectors_for(keys, need, vecs)
+            if new_ids:
+                self._vectors.add_with_ids(all_vecs, np.array(new_ids, dtype=np.int64))
+            done += len(items)
+            batch, batch_chunks = [], 0
+        if removed or files:
+            with db:
+                db.execute("DELETE FROM vectors WHERE vkey NOT IN (SELECT vkey FROM chunks)")
+        if self.progress and total:
+            self.progress("embed", total, total)
+        return embedded, embed_s
+
+    def _existing_keys(self, keys: set[str]) -> set[str]:
+        have: set[str] = set()
+        listed = list(keys)
+        for i in range(0, len(listed), 500):
+            part = listed[i : i + 500]
+            q = f"SELECT vkey FROM vectors WHERE vkey IN ({','.join('?' * len(part))})"
+            have.update(r[0] for r in self.db.execute(q, part))
+        return have
+
+    def _vectors_for(self, keys: list[str], need: dict[str, str], vecs: np.ndarray) -> np.ndarray:
+        fresh = dict(zip(need, vecs, strict=True))
+        missing = [k for k in set(keys) if k not in fresh]
+        for i in range(0, len(missing), 500):
+            part = missing[i : i + 500]
+            q = f"SELECT vkey, vec FROM vectors WHERE vkey IN ({','.join('?' * len(part))})"
+            for k, blob in self.db.execute(q, part):
+                fresh[k] = np.frombuffer(blob, dtype=np.float16).astype(np.float32)
+        if not keys:
+            return np.zeros((0, self._vectors.d), np.float32)
+        return np.stack([fresh[k] for k in keys]).astype(np.float32)
+
+    def _embed_with_progress(self, texts: list[str], done: int, total: int) -> np.ndarray:
+        out = []
+        step = 256
+        for i in range(0, len(texts), step):
+            out.append(self.embedder.encode(texts[i : i + step]))
+            if self.progress:
+                self.progress("embed", min(total, done + i + step), total)
+        if not out:
+            return np.zeros((0, self._vectors.d), np.float32)
+        return np.concatenate(out)
+
+    def _delete_path_rows(self, path: str) -> None:
+        ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE path = ?", (path,))]
+        if not ids:
+            return
+        self.db.executemany("DELETE FROM lex WHERE rowid = ?", [(i,) for i in ids])
+        self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
+        self._vectors.remove_ids(np.array(ids, dtype=np.int64))
+        for i in ids:
+            self._meta.pop(i, None)
+
+    def _bump_generation(self) -> None:
+        self._generation = self._stored_generation() + 1
+        self.db.execute(
+            "INSERT OR REPLACE INTO meta VALUES ('generation', ?)", (str(self._generation),)
+        )
+
+    # -- the language server's view --------------------------------------------------
+
+    def update_buffer(self, path: str, text: str) -> IndexStats:
+        """Index an open editor buffer's text for path (didChange / didSave).
+
+        Re-chunks that one file and embeds only chunks whose text is new. The
+        buffer wins over disk in later refreshes until `drop_buffer(path)`.
+        """
+        t0 = time.perf_counter()
+        rel = self._relative(path)
+        if name_skip_reason(rel.rsplit("/", 1)[-1]) is not None:
+            return IndexStats()
+        with self._writer():
+            self._reload_if_changed()
+            self._buffers[rel] = text
+            chunks = chunk_text(rel, text, self.chunk_config)
+            h = content_hash(text.encode("utf-8", errors="replace"))
+            embedded, embed_s = self._write({rel: chunks}, removed=[], file_rows={rel: (h, -1, -1)})
+            files = dict(self._tree.files)
+            files[rel] = h
+            self._tree = Tree.build(files)
+        return IndexStats(
+            files=1, chunks=len(self._meta), files_changed=1, chunks_embedded=embedded,
+            seconds=time.perf_counter() - t0, embed_seconds=embed_s,
+        )  # fmt: skip
+
+    def drop_buffer(self, path: str) -> None:
+        """The editor closed path: disk is the truth again from the next refresh."""
+        with self._lock:
+            self._buffers.pop(self._relative(path), None)
+
+    def remove(self, path: str) -> None:
+        """Forget a file, or every file under a folder."""
+        rel = self._relative(path)
+        with self._writer():
+            self._reload_if_changed()
+            self._buffers.pop(rel, None)
+            prefix = rel.rstrip("/") + "/"
+            gone = [p for p in self._tree.files if p == rel or p.startswith(prefix)]
+            self._write({}, removed=gone, file_rows={})
+            self._tree = Tree.build({p: h for p, h in self._tree.files.items() if p not in gone})
+
+    def _relative(self, path: str | Path) -> str:
+        p = Path(path)
+        if p.is_absolute():
+            try:
+                p = p.resolve().relative_to(self.root)
+            except ValueError:
+                raise IndexProblem(f"{path} is outside the workspace {self.root}") from None
+        rel = p.as_posix()
+        while rel.startswith("./"):
+            rel = rel[2:]
+        if rel == ".." or rel.startswith("../") or "/../" in rel:
+            raise IndexProblem(f"{path} is outside the workspace {self.root}")
+        return rel
+
+    # -- search ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[Hit]:
+        """The k best chunks for query, fused from vector and lexical ranks; path: prefix or glob."""
+        with self._lock:
+            self._reload_if_changed()
+            if not query.strip() or not self._meta or k <= 0:
+                return []
+            allowed = self._allowed_ids(path)
+            if allowed is not None and not len(allowed):
+                return []
+            dense = self.dense_search(query, n=max(CANDIDATES, k), allowed=allowed)
+            lexical = self.lexical_search(query, n=max(CANDIDATES, k), allowed=allowed)
+            fused: dict[int, float] = {}
+            for rank, cid in enumerate(dense):
+                fused[cid] = fused.get(cid, 0.0) + 1.0 / (RRF_K + rank + 1)
+            for rank, cid in enumerate(lexical):
+                fused[cid] = fused.get(cid, 0.0) + LEXICAL_WEIGHT / (RRF_K + rank + 1)
+            best = sorted(fused.items(), key=lambda kv: -kv[1])[:k]
+            return self._hits(best)
+
+    def _allowed_ids(self, path: str | None) -> np.ndarray | None:
+        if not path or path.strip() in (".", "./", "/"):
+            return None
+        p = path.strip()
+        p = p[2:] if p.startswith("./") else p
+        if any(ch in p for ch in "*?["):
+            keep = [i for i, m in self._meta.items() if fnmatch.fnmatch(m[0], p)]
+        else:
+            prefix = p.rstrip("/") + "/"
+            bare = p.rstrip("/")
+            keep = [i for i, m in self._meta.items() if m[0] == bare or m[0].startswith(prefix)]
+        return np.array(keep, dtype=np.int64)
+
+    def dense_search(self, query: str, *, n: int, allowed: np.ndarray | None = None) -> list[int]:
+        import faiss
+
+        qv = self.embedder.encode([query[:4000]])
+        params = None
+        if allowed is not None:
+            sel = faiss.IDSelectorBatch(allowed)
+            params = (
+                faiss.SearchParametersIVF(sel=sel, nprobe=self._vectors.nprobe)
+                if isinstance(self._vectors, faiss.IndexIVF)
+                else faiss.SearchParameters(sel=sel)
+            )
+        _, ids = self._vectors.search(qv, min(n, len(self._meta)), params=params)
+        return [int(i) for i in ids[0] if i >= 0]
+
+    def lexical_search(self, query: str, *, n: int, allowed: np.ndarray | None = None) -> list[int]:
+        match = fts_query(query)
+        if match is None:
+            return []
+        # The names column (path, scope, symbol) weighs more than the body.
+        rows = self.db.execute(
+            "SELECT rowid FROM lex WHERE lex MATCH ? ORDER BY bm25(lex, 3.0, 1.0) LIMIT ?",
+            (match, n if allowed is None else n * 20),
+        ).fetchall()
+        ids = [r[0] for r in rows]
+        if allowed is not None:
+            ok = set(allowed.tolist())
+            ids = [i for i in ids if i in ok]
+        return ids[:n]
+
+    def _hits(self, scored: list[tuple[int, float]]) -> list[Hit]:
+        if not scored:
+            return []
+        ids = [cid for cid, _ in scored]
+        q = f"SELECT id, text, scope FROM chunks WHERE id IN ({','.join('?' * len(ids))})"
+        extra = {r[0]: (r[1], r[2]) for r in self.db.execute(q, ids)}
+        hits = []
+        for cid, score in scored:
+            if cid not in self._meta or cid not in extra:
+                continue
+            path, start, end, symbol = self._meta[cid]
+            text, scope = extra[cid]
+            hits.append(Hit(path=path, start_line=start, end_line=end, score=round(score, 6), text=text, symbol=symbol, scope=scope))  # fmt: skip
+        return hits
+
+
+def _vector_index(vecs: np.ndarray, ids: np.ndarray, dim: int) -> Any:
+    """Exact inner product up to FLAT_MAX vectors; an IVF index (also deletable) beyond."""
+    import faiss
+
+    n = len(ids)
+    if n <= FLAT_MAX:
+        index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    else:
+        nlist = int(4 * np.sqrt(n))
+        quantizer = faiss.IndexFlatIP(dim)
+        index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(0)
+        index.train(vecs[rng.choice(n, size=min(n, 64 * nlist), replace=False)])
+        index.nprobe = 24
+    if n:
+        index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+    return index
