@@ -528,7 +528,11 @@ class ComposerServer(LanguageServer):
         key = f"{name}:{command}"
         if key in self.always:
             return "run"
-        what = f"run `{command}`" if name == "run_terminal" else f"call {name} {args}"
+        if name == "run_terminal":
+            what = f"run `{command[:500]}`"
+        else:
+            detail = args.get("path") or args.get("pattern") or args.get("query") or ""
+            what = f"call {name} {str(detail)[:200]}".rstrip()
         params = lsp.ShowMessageRequestParams(
             type=lsp.MessageType.Warning,
             message=f"opencomposer ({session_id}) wants to {what}",
@@ -601,7 +605,9 @@ class ComposerServer(LanguageServer):
             raise
         finally:
             self.shared.running.pop(session_id, None)
-            await progress
+            if not progress.done():
+                progress.cancel()  # a client that never answered workDoneProgress/create
+            await asyncio.gather(progress, return_exceptions=True)
             if running.progress is not None and not self.closed:
                 self.work_done_progress.end(
                     running.progress, lsp.WorkDoneProgressEnd(message=_ended(task))

@@ -299,9 +299,18 @@ async def test_wrong_parameters_and_unknown_commands_are_clear_errors(spawn, tmp
             await editor.command(*args)
         assert info.value.code == -32602, args
         assert message in info.value.message, (args, info.value.message)
-    with pytest.raises(JsonRpcException) as info:
-        await editor.command("opencomposer.undo", {"session_id": "doesnotexist"})
-    assert info.value.code == -32000 and "doesnotexist" in info.value.message
+    failures = [
+        (("opencomposer.undo", {"session_id": "doesnotexist"}), "doesnotexist"),
+        ((ASK, {"query": "x", "model": "bogus"}), "unknown model spec 'bogus'"),
+        (("opencomposer.cancel", {"session_id": "nosuch"}), "no running session nosuch"),
+    ]
+    for args, message in failures:
+        with pytest.raises(JsonRpcException) as info:
+            await editor.command(*args)
+        assert info.value.code == -32000 and message in info.value.message, (
+            args,
+            info.value.message,
+        )
     # and the server is still there
     assert await editor.command("opencomposer.cancel", {}) == {"cancelled": []}
 
@@ -438,6 +447,7 @@ async def test_search_sees_the_unsaved_buffer_through_the_index(spawn, repo, tmp
     assert hits[0]["path"] == "calc.py" and "zebra_unicorn_total" in hits[0]["text"]
 
 
+@pytest.mark.slow  # a whole demo run, the sample repository's tests included
 def test_demo_lsp_fixes_the_sample_repo_through_the_server(tmp_path, home):
     """examples/demo_lsp.py (what `make demo` runs) with a scripted model."""
     import subprocess
