@@ -44,7 +44,7 @@ class Diagnostic:
     line: int
     col: int
     message: str
-    source: str  # "syntax" or "ruff"
+    source: str  # "syntax" (tree-sitter), "ruff" or "ruff-syntax"
 
     def render(self) -> str:
         return f"{self.path}:{self.line}:{self.col}: {self.message}"
@@ -264,8 +264,15 @@ def _ruff_diagnostics(
         loc = item.get("location") or {}
         code = item.get("code")
         message = f"{code} {item['message']}" if code else item["message"]
+        syntax = code in (None, "", "invalid-syntax", "E999")
         out.append(
-            Diagnostic(key, loc.get("row", 1), loc.get("column", 1), f"{message} (ruff)", "ruff")
+            Diagnostic(
+                key,
+                loc.get("row", 1),
+                loc.get("column", 1),
+                f"{message} (ruff)",
+                "ruff-syntax" if syntax else "ruff",
+            )
         )
     return out
 
@@ -335,6 +342,10 @@ def _syntax_pass(ws: Workspace, files: list[str]) -> tuple[list[Diagnostic], set
     return found, checked, python
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 @returns_errors
 async def read_lints(ctx: ToolContext, paths: list[str] | None = None) -> ToolResult:
     ws = ctx.workspace
@@ -353,21 +364,24 @@ async def read_lints(ctx: ToolContext, paths: list[str] | None = None) -> ToolRe
             ruff_found = await ruff_check(ws, ruff, disk, buffers)
             checked.update(python)
     # Where ruff found Python syntax errors, its messages are the better ones: keep only them.
-    ruff_syntax = {d.path for d in ruff_found if "syntax" in d.message.lower()}
+    ruff_syntax = {d.path for d in ruff_found if d.source == "ruff-syntax"}
     diagnostics = sorted([d for d in syntax if d.path not in ruff_syntax] + ruff_found)
     if left_out:
         notes.append(f"only the first {LINT_MAX_FILES} files were checked; {left_out} left out")
     n_files = len({d.path for d in diagnostics})
     n_checked = len(checked)
     if not diagnostics:
-        head = f"no problems found ({n_checked} files checked)"
+        head = f"no problems found ({_count(n_checked, 'file')} checked)"
         return ToolResult.ok(
             "\n".join([head, *notes]), meta={"problems": 0, "files_checked": n_checked}
         )
     lines = [d.render() for d in diagnostics[:LINT_MAX_SHOWN]]
     if len(diagnostics) > LINT_MAX_SHOWN:
         lines.append(f"[... {len(diagnostics) - LINT_MAX_SHOWN} more problems not shown]")
-    head = f"{len(diagnostics)} problems in {n_files} files ({n_checked} files checked)"
+    head = (
+        f"{_count(len(diagnostics), 'problem')} in {_count(n_files, 'file')} "
+        f"({_count(n_checked, 'file')} checked)"
+    )
     return ToolResult.ok(
         "\n".join([head, *lines, *notes]),
         meta={"problems": len(diagnostics), "files_checked": n_checked},

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shutil
 import signal
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -134,6 +136,15 @@ def _search_text(path: str, text: str, regex: re.Pattern[str]) -> Iterable[Match
             yield path, n, line
 
 
+@functools.cache
+def _rg_has_engine_flag(rg: str) -> bool:
+    try:
+        out = subprocess.run([rg, "--help"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"--engine" in out
+
+
 async def _grep_rg(
     rg: str,
     root: Path,
@@ -158,6 +169,8 @@ async def _grep_rg(
         f"--max-filesize={GREP_MAX_FILESIZE}",
         "--ignore-case" if not case_sensitive else "--case-sensitive",
     ]
+    if _rg_has_engine_flag(rg):
+        args.append("--engine=auto")  # PCRE2 when the pattern needs look-around
     for g in _expand_braces(glob) if glob else ():
         args.append(f"--glob={g}")
     args += ["-e", pattern]

@@ -52,7 +52,7 @@ async def test_read_lints_whole_workspace(ctx: ToolContext) -> None:
     r = await call(ctx)
     assert r.status == "ok"
     lines = r.output.splitlines()
-    assert lines[0].startswith("2 problems in 2 files")
+    assert lines[0] == "2 problems in 2 files (4 files checked)"
     assert "src/unused.py:1:8: F401 `os` imported but unused (ruff)" in lines
     assert any(line.startswith("web/app.js:1:") and "syntax error" in line for line in lines)
 
@@ -61,7 +61,7 @@ async def test_read_lints_python_syntax_error_reported_once(ctx: ToolContext) ->
     (ctx.workspace.root / "src" / "broken.py").write_text("def g(:\n    pass\n")
     r = await call(ctx, paths="src/broken.py")
     lines = r.output.splitlines()
-    assert "problems in 1 files" in lines[0], r.output
+    assert " in 1 file (1 file checked)" in lines[0], r.output
     assert all(ln.startswith("src/broken.py:1:") and ln.endswith("(ruff)") for ln in lines[1:])
 
 
@@ -74,7 +74,7 @@ async def test_read_lints_uses_the_open_buffer(ctx: ToolContext) -> None:
 
 async def test_read_lints_clean_and_errors(ctx: ToolContext) -> None:
     r = await call(ctx, paths="src/ok.py")
-    assert r.status == "ok" and r.output == "no problems found (1 files checked)"
+    assert r.status == "ok" and r.output == "no problems found (1 file checked)"
     r = await call(ctx, paths="missing.py")
     assert r.status == "error" and "path not found: missing.py" in r.output
     r = await call(ctx, paths="../x")

@@ -86,6 +86,11 @@ async def test_grep_caps_output_with_a_count(ctx: ToolContext, engine: str) -> N
     assert r.meta["matches"] == 1000
 
 
+async def test_grep_look_around(ctx: ToolContext, engine: str) -> None:
+    r = await call(ctx, "grep", pattern=r"retry(?=\()", path="src/app.py")
+    assert r.output == "src/app.py:1:def retry(n):"
+
+
 async def test_grep_errors(ctx: ToolContext, engine: str) -> None:
     r = await call(ctx, "grep", pattern="(unclosed")
     assert r.status == "error" and "invalid regular expression" in r.output
