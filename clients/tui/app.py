@@ -87,6 +87,20 @@ class ServerNote(Message):
         self.path = path
 
 
+class AskDone(Message):
+    """`opencomposer.ask` returned (`result`) or failed (`error`)."""
+
+    def __init__(self, session: SessionView, result: dict[str, Any] | None, error: str | None):
+        super().__init__()
+        self.session = session
+        self.result = result
+        self.error = error
+
+
+class FlushStreams(Message):
+    """Time to move streamed text from the buffers to the screen."""
+
+
 class StatusLine(Static):
     """model · turn · tokens · elapsed · state, on one line."""
 
@@ -146,7 +160,9 @@ class OpenComposerApp(App[int]):
         self.query_one("#banner").display = False
         self.query_one("#transcript", VerticalScroll).anchor()
         self.query_one(PromptInput).focus()
-        self.set_interval(FLUSH_INTERVAL_S, self._flush_streams)
+        # Timer callbacks run in their own task; posting keeps every Markdown change
+        # on the message queue, ordered with the server's events.
+        self.set_interval(FLUSH_INTERVAL_S, lambda: self.post_message(FlushStreams()))
         self.set_interval(SPIN_INTERVAL_S, self._tick)
         self.set_interval(1.0, self._refresh_status)
         self._load_files()
@@ -309,23 +325,29 @@ class OpenComposerApp(App[int]):
 
     @work(group="ask")
     async def ask(self, session: SessionView, text: str) -> None:
+        """Run `opencomposer.ask`; the outcome goes back onto the message queue."""
         argument: dict[str, Any] = {"query": text, "reveal": True}
         if self.approve:
             argument["approve"] = self.approve
-        link = self.link
         try:
-            assert link is not None
-            result = await link.command("opencomposer.ask", argument)
+            if self.link is None:
+                raise LinkError("the language server is not running")
+            result = await self.link.command("opencomposer.ask", argument)
         except LinkError as exc:
-            session.ended = session.ended or time.monotonic()
-            session.status = "error" if self.connected else "interrupted"
-            await self._mount(NoteEntry(f"✗ {exc}", "error"))
-            self._refresh_status()
-            self.queued.clear()
-            return
+            self.post_message(AskDone(session, None, str(exc)))
+        else:
+            self.post_message(AskDone(session, result if isinstance(result, dict) else {}, None))
+
+    async def on_ask_done(self, message: AskDone) -> None:
+        session, result = message.session, message.result
         await self._flush_streams()
         session.ended = session.ended or time.monotonic()
-        result = result if isinstance(result, dict) else {}
+        if result is None:
+            session.status = "error" if self.connected else "interrupted"
+            await self._mount(NoteEntry(f"✗ {message.error}", "error"))
+            self.queued.clear()
+            self._refresh_status()
+            return
         session.session_id = session.session_id or result.get("session_id")
         session.status = str(result.get("status", session.status))
         answer = str(result.get("answer") or "")
@@ -352,20 +374,17 @@ class OpenComposerApp(App[int]):
             session.turn = int(event.get("turn", session.turn + 1))
             session.status = "thinking"
         elif kind == "model_delta":
-            self._assistant(session, int(event.get("turn", session.turn))).add(
-                str(event.get("text", ""))
-            )
+            entry = await self._assistant(session, int(event.get("turn", session.turn)))
+            entry.add(str(event.get("text", "")))
         elif kind == "message":
-            entry = self._assistant(session, int(event.get("turn", session.turn)))
-            if not entry.is_mounted:
-                await self._mount(entry)
+            entry = await self._assistant(session, int(event.get("turn", session.turn)))
             await entry.finish(str(event.get("text", "")))
             session.answered = True
         elif kind == "model_end":
             session.prompt_tokens += int(event.get("prompt_tokens") or 0)
             session.completion_tokens += int(event.get("completion_tokens") or 0)
         elif kind == "tool_start":
-            self._tool_start(session, event)
+            await self._tool_start(session, event)
         elif kind == "tool_end":
             card = session.cards.get(str(event.get("call_id")))
             if card is not None:
@@ -378,12 +397,12 @@ class OpenComposerApp(App[int]):
             if not any(c.status is None for c in session.cards.values()):
                 session.status = "thinking"
         elif kind == "edit":
-            self._edit(session, event)
+            await self._edit(session, event)
         elif kind == "session_end":
             await self._flush_streams()
             session.status = str(event.get("status", "done"))
             session.ended = time.monotonic()
-            self._mount(
+            await self._mount(
                 NoteEntry(
                     self._summary(event),
                     "ok" if session.status in ("ok", "completed") else "warn",
@@ -401,37 +420,40 @@ class OpenComposerApp(App[int]):
             parts.append(fmt_duration(float(event["duration_s"]), True))
         return "■ " + " · ".join(parts)
 
-    def _assistant(self, session: SessionView, turn: int) -> AssistantEntry:
+    async def _assistant(self, session: SessionView, turn: int) -> AssistantEntry:
         entry = session.assistant.get(turn)
         if entry is None:
             entry = AssistantEntry(turn)
             session.assistant[turn] = entry
-            self._mount(entry)
+            await self._mount(entry)
         return entry
 
-    def _tool_start(self, session: SessionView, event: dict[str, Any]) -> None:
+    async def _tool_start(self, session: SessionView, event: dict[str, Any]) -> None:
         turn = int(event.get("turn", session.turn))
         name = str(event.get("name", "?"))
-        self._assistant(session, turn).filter.names.add(name)
+        (await self._assistant(session, turn)).filter.names.add(name)
         group = session.groups.get(turn)
         if group is None:
             group = ToolGroup(turn)
             session.groups[turn] = group
-            self._mount(group)
+            await self._mount(group)
         card = ToolCard(str(event.get("call_id")), name, event.get("args"), self.show_timings)
         session.cards[card.call_id] = card
-        group.mount(card)
+        await group.mount(card)
         group.relayout()
         session.status = "running tools"
 
-    def _edit(self, session: SessionView, event: dict[str, Any]) -> None:
+    async def _edit(self, session: SessionView, event: dict[str, Any]) -> None:
         path = str(event.get("path", "?"))
         entry = DiffEntry(str(session.session_id or ""), path, str(event.get("diff", "")))
         session.diffs.append(entry)
-        self._mount(entry)
+        await self._mount(entry)
 
     def _mount(self, widget) -> AwaitMount:
         return self.query_one("#transcript", VerticalScroll).mount(widget)
+
+    async def on_flush_streams(self, message: FlushStreams) -> None:
+        await self._flush_streams()
 
     async def _flush_streams(self) -> None:
         if self.session is not None:

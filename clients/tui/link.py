@@ -98,6 +98,7 @@ class ServerLink:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self._stopped = asyncio.Event()
+        self.lost_reason: str | None = None
         self._register()
 
     # -- server to client -------------------------------------------------------------
@@ -173,7 +174,10 @@ class ServerLink:
                 self._unless_stopped(init), timeout=INITIALIZE_TIMEOUT_S
             )
             if result is None:
-                raise LinkError(self.stop_reason("the language server stopped during start-up"))
+                raise LinkError(
+                    self.lost_reason
+                    or self.stop_reason("the language server stopped during start-up")
+                )
             self.client.initialized(lsp.InitializedParams())
         except TimeoutError as exc:
             await self.stop()
@@ -182,7 +186,10 @@ class ServerLink:
             ) from exc
         except (OSError, JsonRpcException, RuntimeError) as exc:
             await self.stop()
-            raise LinkError(self.stop_reason(f"cannot start the language server: {exc}")) from exc
+            reason = self.lost_reason or self.stop_reason(
+                f"cannot start the language server: {exc}"
+            )
+            raise LinkError(reason) from exc
         except LinkError:
             await self.stop()
             raise
@@ -190,12 +197,16 @@ class ServerLink:
     async def _unless_stopped(self, awaitable: Any) -> Any:
         """Await `awaitable`, or return None as soon as the connection is gone."""
         task = asyncio.ensure_future(awaitable)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         stopped = asyncio.ensure_future(self._stopped.wait())
-        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        try:
+            done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
             stopped.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
             return task.result()
-        task.cancel()
         with contextlib.suppress(BaseException):
             await task
         return None
@@ -248,6 +259,7 @@ class ServerLink:
     def _connection_lost(self, reason: str) -> None:
         if self._stopped.is_set():
             return
+        self.lost_reason = reason
         self._stopped.set()
         self.client._stop_event.set()
         for future in list(self.client.protocol._request_futures.values()):

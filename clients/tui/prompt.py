@@ -50,7 +50,7 @@ def workspace_files(root: Path) -> list[str]:
         files.extend(str(rel / f) if str(rel) != "." else f for f in sorted(filenames))
         if len(files) >= MAX_FILES:
             break
-    return files[:MAX_FILES]
+    return sorted(files[:MAX_FILES])
 
 
 def match_files(files: list[str], fragment: str, limit: int = MAX_MATCHES) -> list[str]:

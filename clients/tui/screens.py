@@ -7,6 +7,7 @@ command) instead of reaching for the connection, so the screens stay LSP-agnosti
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -17,7 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Input, Label, OptionList, RichLog, Static
+from textual.widgets import Button, DataTable, Footer, Input, Label, OptionList, RichLog, Static
 from textual.widgets.option_list import Option
 
 Command = Callable[[str, dict[str, Any]], Awaitable[Any]]
@@ -86,6 +87,7 @@ class SearchScreen(ModalScreen[None]):
             yield OptionList(id="search-results")
             with VerticalScroll(id="search-preview-scroll"):
                 yield Static("", id="search-preview")
+        yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#search-input", Input).focus()
@@ -155,7 +157,12 @@ class SessionsScreen(ModalScreen[None]):
         with Vertical(id="sessions", classes="box"):
             yield Label("Sessions", classes="box-title")
             yield DataTable(id="sessions-table", cursor_type="row", zebra_stripes=True)
+            yield Input(
+                placeholder="verify command for submit, e.g. python -m pytest -q (optional)",
+                id="sessions-verify",
+            )
             yield Static("", id="sessions-status")
+        yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -181,7 +188,7 @@ class SessionsScreen(ModalScreen[None]):
                 query[:60],
                 str(s.get("edits", "")),
                 str(s.get("model", "")),
-                str(s.get("started", ""))[:19],
+                _when(s.get("started")),
                 key=str(s.get("session_id")),
             )
         status.update(
@@ -196,14 +203,29 @@ class SessionsScreen(ModalScreen[None]):
             return
         session = self.sessions[table.cursor_row]
         status.update(Text("submitting…", style="dim"))
+        argument = {"session_id": session["session_id"]}
+        verify = self.query_one("#sessions-verify", Input).value.strip()
+        if verify:
+            argument["verify"] = verify
         try:
-            result = await self.run("opencomposer.submit", {"session_id": session["session_id"]})
+            result = await self.run("opencomposer.submit", argument)
         except Exception as exc:
             status.update(Text(str(exc), style="red"))
             return
         task_dir = (result or {}).get("task_dir", "?") if isinstance(result, dict) else result
         status.update(Text(f"submitted → {task_dir}", style="green"))
         self.app.notify(f"Training task written to {task_dir}", title="Submitted")
+
+    @on(Input.Submitted, "#sessions-verify")
+    def verify_submitted(self) -> None:
+        self.query_one(DataTable).focus()
+        self.action_submit()
+
+
+def _when(started: Any) -> str:
+    if isinstance(started, int | float):
+        return datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M")
+    return str(started or "")[:16]
 
 
 class LogScreen(ModalScreen[None]):
@@ -219,6 +241,7 @@ class LogScreen(ModalScreen[None]):
         with Vertical(id="log", classes="box"):
             yield Label("Server log", classes="box-title")
             yield RichLog(id="log-view", wrap=True, markup=False)
+        yield Footer()
 
     def on_mount(self) -> None:
         view = self.query_one(RichLog)
