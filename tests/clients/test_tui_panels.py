@@ -11,6 +11,8 @@ pastes; the command palette lists the app's commands; the theme flips light/dark
 from __future__ import annotations
 
 import pytest
+from opencomposer.clients.tui.prompt import PromptInput, match_files, workspace_files
+from opencomposer.clients.tui.screens import LogScreen, SearchScreen, SessionsScreen
 from textual import events
 from tui_harness import (
     DONE,
@@ -24,9 +26,6 @@ from tui_harness import (
     session_ended,
     wait_for,
 )
-
-from opencomposer.clients.tui.prompt import PromptInput, match_files, workspace_files
-from opencomposer.clients.tui.screens import LogScreen, SearchScreen, SessionsScreen
 
 
 async def test_sessions_browser_submits_a_training_task(tmp_path):

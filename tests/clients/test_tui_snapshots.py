@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from opencomposer.clients.tui.screens import ApprovalScreen
+from opencomposer.clients.tui.transcript import DiffEntry
 from tui_harness import (
     DONE,
     EDIT,
@@ -26,9 +28,6 @@ from tui_harness import (
     session_ended,
     wait_for,
 )
-
-from opencomposer.clients.tui.screens import ApprovalScreen
-from opencomposer.clients.tui.transcript import DiffEntry
 
 FIXED_ROOT = Path("/tmp/opencomposer-tui-snapshots")
 

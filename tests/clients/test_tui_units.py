@@ -12,7 +12,6 @@ import time
 
 import pytest
 from lsprotocol import types as lsp
-
 from opencomposer.clients.tui.app import OpenComposerApp, ServerEvent, SessionView, short_model
 from opencomposer.clients.tui.edits import EditError, apply_text_edits, apply_workspace_edit
 from opencomposer.clients.tui.transcript import ToolCallFilter, ToolCard, clip, visible_text
