@@ -46,8 +46,10 @@ import resource
 import shutil
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from opencomposer.tools.output import OutputCapture
 from opencomposer.tools.protocols import SandboxConfig, ToolError
@@ -118,11 +120,16 @@ def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
     return argv + shell
 
 
-def sandbox_env() -> dict[str, str]:
-    """The caller's environment without secrets, set up for non-interactive use."""
+def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:
+    """The caller's environment without secrets, set up for non-interactive use.
+
+    Sandboxed, caches go to the private /tmp: the home folder is read-only there.
+    """
     env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
     env.update(TERM="dumb", PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     env.setdefault("LANG", "C.UTF-8")
+    if mode != "off":
+        env.update(XDG_CACHE_HOME="/tmp/.cache", MPLCONFIGDIR="/tmp/.config/matplotlib")
     return env
 
 
@@ -417,11 +424,13 @@ class _Run:
             waiter.cancel()
 
 
-async def _spawn(argv: list[str], root: Path, **kw: object) -> asyncio.subprocess.Process:
+async def _spawn(
+    argv: list[str], root: Path, mode: str, **kw: object
+) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         *argv,
         cwd=str(root),
-        env=sandbox_env(),
+        env=sandbox_env(mode),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -434,7 +443,9 @@ async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
     cgroup = Cgroup.create(config)
     if config.mode == "off":
         try:
-            proc = await _spawn(argv, root, preexec_fn=lambda: _child_setup(config, cgroup))
+            proc = await _spawn(
+                argv, root, config.mode, preexec_fn=lambda: _child_setup(config, cgroup)
+            )
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
@@ -445,7 +456,7 @@ async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
     block_r, block_w = os.pipe()
     gated = [argv[0], "--json-status-fd", str(status_w), "--block-fd", str(block_r), *argv[1:]]
     try:
-        proc = await _spawn(gated, root, pass_fds=(status_w, block_r))
+        proc = await _spawn(gated, root, config.mode, pass_fds=(status_w, block_r))
     except BaseException:
         os.close(status_r)
         os.close(block_w)
@@ -460,7 +471,7 @@ async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
         init_pid, attached = await asyncio.to_thread(_open_gate, status_r, block_w, config, cgroup)
     except BaseException:
         run.kill()
-        asyncio.ensure_future(_reap(run))
+        _background(_reap(run))
         raise
     run.init_pid = init_pid
     if cgroup is not None and not attached:
@@ -480,6 +491,8 @@ async def run_sandboxed(
     root = Path(root).resolve()
     if not root.is_dir():
         raise SandboxError(f"workspace {root} is not a directory")
+    if root == Path(root.anchor) and config.mode == "workspace-write":
+        raise SandboxError("the workspace is the file-system root; refusing to make it writable")
     argv = sandbox_argv(command, root, config)
     limit = config.timeout_s if timeout_s is None else timeout_s
     if limit <= 0:
@@ -503,7 +516,7 @@ async def run_sandboxed(
     except BaseException:
         run.kill()
         reader.cancel()
-        asyncio.ensure_future(_reap(run))
+        _background(_reap(run))
         raise
     if reason is not None:
         run.kill()
@@ -526,12 +539,23 @@ async def run_sandboxed(
     )
 
 
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _background(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a clean-up task to its end even though nobody awaits it (asyncio keeps only
+    weak references to tasks)."""
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 def _kill_started(starting: asyncio.Future[_Run]) -> None:
     if starting.cancelled() or starting.exception() is not None:
         return
     run = starting.result()
     run.kill()
-    asyncio.ensure_future(_reap(run))
+    _background(_reap(run))
 
 
 async def _reap(run: _Run) -> None:

@@ -119,3 +119,19 @@ def test_safe_commands(command: str) -> None:
 @pytest.mark.parametrize("command", UNSAFE)
 def test_unsafe_commands(command: str) -> None:
     assert not is_safe_command(command)
+
+
+async def test_run_terminal_without_bwrap_is_a_clear_error(
+    ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opencomposer.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)
+    r = await call(ctx, command="true")
+    assert r.status == "error" and "bubblewrap (bwrap) is not installed" in r.output
+    assert "\n" not in r.output
+
+
+async def test_sandboxed_caches_go_to_private_tmp(ctx: ToolContext) -> None:
+    r = await call(ctx, command="echo $XDG_CACHE_HOME; mkdir -p $XDG_CACHE_HOME/x && echo ok")
+    assert r.output == "exit code 0\n/tmp/.cache\nok\n"
