@@ -631,7 +631,9 @@ class ComposerServer(LanguageServer):
 
     def _on_event(self, session_id: str, event: dict[str, Any], root: Path, reveal: bool) -> None:
         self._forward(session_id, event)
-        if reveal and event.get("type") == "edit" and not self.closed:
+        window = self.client_capabilities.window
+        can_show = bool(window and window.show_document and window.show_document.support)
+        if reveal and can_show and event.get("type") == "edit" and not self.closed:
             asyncio.ensure_future(self._reveal(root, event["path"]))
 
     def cmd_cancel(self, args: cmds.CancelArgs) -> dict[str, Any]:

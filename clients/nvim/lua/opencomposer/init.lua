@@ -32,6 +32,21 @@ M.state = {
 }
 
 local EMPTY = vim.empty_dict()
+local NEW_API = vim.fn.has("nvim-0.11") == 1 -- client methods take self; start_client is deprecated
+
+local function start_client(config)
+  if NEW_API then
+    return vim.lsp.start(config, { attach = false })
+  end
+  return vim.lsp.start_client(config)
+end
+
+local function client_call(c, name, ...)
+  if NEW_API then
+    return c[name](c, ...)
+  end
+  return c[name](...)
+end
 
 local function notify(msg, level)
   vim.notify("opencomposer: " .. msg, level or vim.log.levels.INFO)
@@ -46,8 +61,8 @@ local function session_buf()
   end
   buf = vim.api.nvim_create_buf(false, true)
   vim.api.nvim_buf_set_name(buf, "opencomposer://session")
-  vim.api.nvim_buf_set_option(buf, "filetype", "opencomposer")
-  vim.api.nvim_buf_set_option(buf, "bufhidden", "hide")
+  vim.bo[buf].filetype = "opencomposer"
+  vim.bo[buf].bufhidden = "hide"
   M.state.buf = buf
   return buf
 end
@@ -151,7 +166,7 @@ local function apply_edit(_, params, ctx)
   local clean = {}
   for uri, _ in pairs(uri_set(params.edit)) do
     local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
-    clean[uri] = bufnr == -1 or not vim.api.nvim_buf_is_loaded(bufnr) or not vim.api.nvim_buf_get_option(bufnr, "modified")
+    clean[uri] = bufnr == -1 or not vim.api.nvim_buf_is_loaded(bufnr) or not vim.bo[bufnr].modified
   end
   local ok, err = pcall(vim.lsp.util.apply_workspace_edit, params.edit, client and client.offset_encoding or "utf-16")
   if not ok then
@@ -160,13 +175,13 @@ local function apply_edit(_, params, ctx)
   if M.config.save_edits then
     for uri, was_clean in pairs(clean) do
       local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
-      if was_clean and bufnr ~= -1 and vim.api.nvim_buf_is_loaded(bufnr) and vim.api.nvim_buf_get_option(bufnr, "modified") then
+      if was_clean and bufnr ~= -1 and vim.api.nvim_buf_is_loaded(bufnr) and vim.bo[bufnr].modified then
         vim.api.nvim_buf_call(bufnr, function()
           vim.cmd("silent! noautocmd write")
         end)
         -- tell the server the file is saved (noautocmd skipped the LSP hook)
         if client and vim.lsp.buf_is_attached(bufnr, ctx.client_id) then
-          client.notify("textDocument/didSave", { textDocument = { uri = uri } })
+          client_call(client, "notify", "textDocument/didSave", { textDocument = { uri = uri } })
         end
       end
     end
@@ -228,7 +243,7 @@ end
 
 local function attach(bufnr)
   local id = M.state.client_id
-  if not id or vim.api.nvim_buf_get_option(bufnr, "buftype") ~= "" then
+  if not id or vim.bo[bufnr].buftype ~= "" then
     return
   end
   local name = vim.api.nvim_buf_get_name(bufnr)
@@ -255,7 +270,7 @@ function M.start()
   capabilities.workspace.workspaceEdit.documentChanges = true
   capabilities.window = capabilities.window or {}
   capabilities.window.showDocument = { support = true }
-  M.state.client_id = vim.lsp.start_client({
+  M.state.client_id = start_client({
     name = "opencomposer",
     cmd = cmd,
     root_dir = M.config.root,
@@ -295,7 +310,7 @@ local function execute(command, argument, on_result)
   if not c then
     return
   end
-  c.request("workspace/executeCommand", { command = command, arguments = { argument } }, function(err, result)
+  client_call(c, "request", "workspace/executeCommand", { command = command, arguments = { argument } }, function(err, result)
     if err then
       notify(command .. ": " .. (err.message or vim.inspect(err)), vim.log.levels.ERROR)
       return
@@ -321,7 +336,7 @@ end
 function M.ask(query, range)
   local bufnr = vim.api.nvim_get_current_buf()
   local arg = { query = query }
-  if vim.api.nvim_buf_get_name(bufnr) ~= "" and vim.api.nvim_buf_get_option(bufnr, "buftype") == "" then
+  if vim.api.nvim_buf_get_name(bufnr) ~= "" and vim.bo[bufnr].buftype == "" then
     arg.uri = vim.uri_from_bufnr(bufnr)
     if range then
       local last = vim.api.nvim_buf_get_lines(bufnr, range[2] - 1, range[2], false)[1] or ""
@@ -333,7 +348,7 @@ function M.ask(query, range)
   end
   local open = {}
   for _, b in ipairs(vim.api.nvim_list_bufs()) do
-    if vim.api.nvim_buf_is_loaded(b) and vim.api.nvim_buf_get_option(b, "buftype") == "" and vim.api.nvim_buf_get_name(b) ~= "" then
+    if vim.api.nvim_buf_is_loaded(b) and vim.bo[b].buftype == "" and vim.api.nvim_buf_get_name(b) ~= "" then
       table.insert(open, vim.uri_from_bufnr(b))
     end
   end
