@@ -477,3 +477,27 @@ def test_demo_lsp_fixes_the_sample_repo_through_the_server(tmp_path, home):
         "passed" in text.split("tests after the session")[-1]
         and "failed" not in text.split("tests after the session")[-1]
     )
+
+
+async def test_two_sessions_at_once_and_cancelling_one_leaves_the_other(spawn, home, tmp_path):
+    editor = await spawn(scripted(tmp_path / "m.json", ["step " * 200], 500))  # ~2 s per session
+    first = asyncio.ensure_future(editor.command(ASK, {"query": "one"}))
+    second = asyncio.ensure_future(editor.command(ASK, {"query": "two"}))
+    await asyncio.wait_for(editor.wait_event(lambda e: e["type"] == "model_delta"), 30)
+    for _ in range(100):
+        started = {e["session_id"] for e in editor.events if e["type"] == "session_start"}
+        if len(started) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(started) == 2
+    victim = sorted(started)[0]
+    assert await editor.command("opencomposer.cancel", {"session_id": victim}) == {
+        "cancelled": [victim]
+    }
+    results = {
+        r["session_id"]: r["status"]
+        for r in await asyncio.wait_for(asyncio.gather(first, second), 60)
+    }
+    survivor = (started - {victim}).pop()
+    assert results == {victim: "cancelled", survivor: "completed"}
+    assert status(home, victim) == "cancelled" and status(home, survivor) == "completed"
