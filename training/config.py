@@ -89,6 +89,7 @@ class SftSection:
     """Supervised warm start: on accepted traces (``--sft``) or on rejection samples."""
 
     source: Literal["traces", "rejection"] = "traces"
+    warmup_rounds: int = 0  # RL runs: rejection-sampling SFT rounds before the first RL step
     min_reward: float = 1.0  # rejection sampling: keep rollouts at least this good
     samples_per_task: int = 4  # rejection sampling: attempts per training task
     epochs: int = 2

@@ -148,6 +148,10 @@ class Progress:
         self.enabled = enabled
         self.t0 = time.perf_counter()
 
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(f"{text} | {time.perf_counter() - self.t0:.0f}s", file=sys.stderr, flush=True)
+
     def update(self, m: dict[str, Any]) -> None:
         if not self.enabled:
             return

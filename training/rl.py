@@ -223,26 +223,73 @@ async def evaluate(run: Run, *, samples: int) -> dict[str, float]:
     return {"heldout_reward": s["reward_mean"], "heldout_resolve_rate": s["resolve_rate"]}
 
 
+async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Progress) -> None:
+    """Rejection-sampling rounds before RL: SFT on the policy's own good rollouts."""
+    from opencomposer.training.sft import collect_rejection_samples, fit
+
+    cfg = run.config
+    for round_ in range(1, cfg.sft.warmup_rounds + 1):
+        t0 = time.perf_counter()
+        data, rollouts = await collect_rejection_samples(run)
+        t1 = time.perf_counter()
+        stats = []
+        if data.samples:
+            stats = await asyncio.to_thread(
+                fit,
+                run.trainer,
+                data.samples[: cfg.sft.max_examples],
+                epochs=cfg.sft.epochs,
+                lr=cfg.sft.lr,
+                batch=cfg.sft.micro_batch_size,
+                seed=cfg.run.seed + round_,
+            )
+        t2 = time.perf_counter()
+        res = await sync.push(run.trainer.named_weights(), run.trainer.version)
+        m: dict[str, Any] = {
+            "step": 0,
+            "phase": f"warmup{round_}",
+            "weight_version": run.trainer.version,
+            "sft_examples": len(data.samples),
+            "sft_sessions": data.sessions_used,
+            "loss": _mean([s.get("loss") or 0.0 for s in stats]),
+            "rollout_s": t1 - t0,
+            "train_s": t2 - t1,
+            "sync_s": res.seconds,
+        }
+        m.update(rollout_summary(rollouts))
+        if run.heldout:
+            m.update(await evaluate(run, samples=cfg.tasks.eval_samples))
+        log.write(m)
+        progress.note(
+            f"warm start {round_}: reward {m['reward_mean']:.3f} on {len(rollouts)} rollouts, "
+            f"{len(data.samples)} samples kept, held-out {m.get('heldout_reward', float('nan')):.3f}"
+        )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
     cfg = run.config
     out = run.out
     out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out / "metrics.jsonl")
     steps = cfg.run.steps if max_steps is None else max_steps
-    start_step, cursor = 0, 0
+    sync = WeightSync(run.sampler, max_lag=0)
+    start_step, cursor, warmed = 0, 0, False
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         extra = run.trainer.load(ckpt)
         start_step, cursor = int(extra.get("step", 0)), int(extra.get("task_cursor", 0))
+        warmed = bool(extra.get("warmed", start_step > 0))
         log.truncate_after(start_step)
-        sync = WeightSync(run.sampler)
         await sync.push(run.trainer.named_weights(), run.trainer.version)
         print(
             f"resumed from {ckpt} (step {start_step}, weight version {run.trainer.version})",
             flush=True,
         )
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    sync = WeightSync(run.sampler, max_lag=0)
     tasks = _Counter(task_cycle(run.tasks, seed=cfg.run.seed, skip=cursor), cursor)
     scfg = session_config(cfg)
     r = cfg.rollout
@@ -268,9 +315,22 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
     )
     progress = Progress(steps, enabled=cfg.run.progress)
     try:
-        if start_step == 0 and run.heldout:
-            ev = await evaluate(run, samples=cfg.tasks.eval_samples)
-            log.write({"step": 0, "weight_version": run.trainer.version, "reward_mean": None, **ev})
+        if start_step == 0 and not warmed:
+            if run.heldout:
+                ev = await evaluate(run, samples=cfg.tasks.eval_samples)
+                log.write(
+                    {
+                        "step": 0,
+                        "phase": "baseline",
+                        "weight_version": run.trainer.version,
+                        "reward_mean": None,
+                        **ev,
+                    }
+                )
+                progress.note(f"baseline held-out reward {ev['heldout_reward']:.3f}")
+            if cfg.sft.warmup_rounds > 0:
+                await warm_start(run, log, sync, progress)
+                run.trainer.save(out / "checkpoints" / "step_0", extra={"step": 0, "warmed": True})
         for step in range(start_step + 1, steps + 1):
             t0 = time.perf_counter()
             groups: list[Group] = await scheduler.next_groups()
@@ -331,7 +391,7 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
     )
     sampler = make_sampler(cfg, folder)
     env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
-    await env.start()
+    await asyncio.gather(env.start(), sampler.start())
 
     async def episode(task: Any, scfg: Any) -> Rollout:
         res = env.run_episode(task, model_spec_or_factory=sampler, session_config=scfg)

@@ -75,3 +75,112 @@ def samples_from_rollouts(rollouts: Sequence[Rollout], *, min_reward: float) -> 
         else:
             data.sessions_skipped += 1
     return data
+
+
+async def collect_rejection_samples(run: Any) -> tuple[SftData, list[Rollout]]:
+    """Roll out every training task ``samples_per_task`` times; keep the good ones."""
+    import asyncio
+
+    from opencomposer.training.rl import session_config
+
+    cfg = run.config
+    scfg = session_config(cfg)
+    rollouts = await asyncio.gather(
+        *(run.episode(t, scfg) for t in run.tasks for _ in range(cfg.sft.samples_per_task))
+    )
+    data = samples_from_rollouts(rollouts, min_reward=cfg.sft.min_reward)
+    return data, list(rollouts)
+
+
+def fit(
+    trainer: Any,
+    samples: Sequence[Sample],
+    *,
+    epochs: int,
+    lr: float,
+    batch: int,
+    seed: int,
+    max_steps: int | None = None,
+) -> list[dict[str, float]]:
+    """``epochs`` passes of supervised steps over ``samples`` (shuffled, ``batch`` per step)."""
+    import random
+
+    rng = random.Random(seed)
+    stats: list[dict[str, float]] = []
+    for _ in range(epochs):
+        order = list(samples)
+        rng.shuffle(order)
+        for i in range(0, len(order), batch):
+            if max_steps is not None and len(stats) >= max_steps:
+                return stats
+            stats.append(trainer.sft_step(order[i : i + batch], lr=lr))
+    return stats
+
+
+async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
+    """``opencomposer train --sft``: fine-tune, write metrics and a loadable checkpoint.
+
+    Returns the run folder; its ``checkpoints/step_N`` is a Hugging Face folder
+    (tokenizer included) to use as ``model.path`` of an RL run."""
+    import time
+
+    from opencomposer.training.config import ConfigError
+    from opencomposer.training.metrics import MetricsLog, plot_metrics
+
+    cfg = run.config.sft
+    out = run.out
+    out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out / "metrics.jsonl")
+    t0 = time.perf_counter()
+    reward_mean = None
+    if cfg.source == "traces":
+        data = samples_from_traces(load_accepted_traces())
+        if not data.samples:
+            raise ConfigError(
+                "no accepted traces with token ids to fine-tune on "
+                '(accept an agent\'s edits first, or use [sft] source = "rejection")'
+            )
+    else:
+        data, rollouts = await collect_rejection_samples(run)
+        reward_mean = sum(r.reward for r in rollouts) / max(1, len(rollouts))
+        if not data.samples:
+            raise ConfigError(
+                f"no rollout reached [sft] min_reward = {cfg.min_reward}; nothing to fine-tune on"
+            )
+    samples = data.samples[: cfg.max_examples]
+    rollout_s = time.perf_counter() - t0
+    stats = fit(
+        run.trainer,
+        samples,
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        batch=cfg.micro_batch_size,
+        seed=run.config.run.seed,
+        max_steps=max_steps,
+    )
+    for i, st in enumerate(stats, 1):
+        log.write(
+            {
+                "step": i,
+                "phase": "sft",
+                "weight_version": run.trainer.version - len(stats) + i,
+                "reward_mean": reward_mean,
+                "loss": st.get("loss"),
+                "grad_norm": st.get("grad_norm"),
+                "train_s": st.get("train_s"),
+                "rollout_s": rollout_s if i == 1 else 0.0,
+                "sft_examples": len(samples),
+                "sft_sessions": data.sessions_used,
+                "sft_skipped": data.sessions_skipped,
+            }
+        )
+    run.trainer.save(
+        out / "checkpoints" / f"step_{len(stats)}", extra={"step": len(stats), "phase": "sft"}
+    )
+    plot_metrics(out / "metrics.jsonl", out)
+    print(
+        f"sft: {len(samples)} samples from {data.sessions_used} sessions, {len(stats)} steps -> "
+        f"{out / 'checkpoints' / f'step_{len(stats)}'}",
+        flush=True,
+    )
+    return out

@@ -24,6 +24,7 @@ Run the tests: ``.venv/bin/python -m pytest tests/training/test_trainer.py -q``.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,14 @@ if TYPE_CHECKING:
 
 Precision = Literal["bf16", "fp32", "mxfp8"]
 STATE_FILE = "trainer_state.pt"
+TOKENIZER_FILES = (
+    "tokenizer",
+    "special_tokens_map",
+    "vocab",
+    "merges",
+    "chat_template",
+    "generation_config",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +91,7 @@ class Trainer:
         )
         self.step_count = 0
         self.version = 0  # bumps once per applied (non-skipped) step
+        self.source_dir: Path | None = None  # tokenizer files are copied from here on save
 
     @classmethod
     def from_pretrained(
@@ -93,7 +103,9 @@ class Trainer:
         ref = None
         if with_reference:
             ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-        return cls(model, config, ref_model=ref)
+        trainer = cls(model, config, ref_model=ref)
+        trainer.source_dir = Path(path)
+        return trainer
 
     # -- the step ------------------------------------------------------------------
 
@@ -248,6 +260,10 @@ class Trainer:
             self.model.save_pretrained(str(folder), safe_serialization=True)
         else:
             torch.save(self.model.state_dict(), folder / "model.pt")
+        if self.source_dir is not None:  # so that vLLM and the agent can load the folder
+            for f in self.source_dir.iterdir():
+                if f.is_file() and (f.name.startswith(TOKENIZER_FILES) or f.suffix == ".jinja"):
+                    shutil.copyfile(f, folder / f.name)
         state = {
             "optimizer": self.optimizer.state_dict(),
             "step": self.step_count,

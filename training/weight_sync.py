@@ -177,6 +177,12 @@ class VersionedModel:
     def count_tokens(self, text: str) -> int:
         return self.inner.count_tokens(text)
 
+    async def start(self) -> None:
+        """Start the engine now (outside any episode's time limit)."""
+        start = getattr(self.inner, "start", None)
+        if start is not None:
+            await start()
+
     async def close(self) -> None:
         await self.inner.close()
 

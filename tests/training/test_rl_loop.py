@@ -154,3 +154,31 @@ def test_episode_results_map_to_rollouts():
     assert rollout_from_episode(Res()).status == "error"
     Res.status, Rec.output = "completed", type("NoIds", (), {"prompt_token_ids": None})()
     assert rollout_from_episode(Res()).status == "error"
+
+
+async def test_rejection_sampling_warm_start_runs_before_rl_and_is_not_redone(tmp_path):
+    run = make_run(tmp_path, steps=1)
+    run.config = parse_config(
+        {
+            "rollout": {"group_size": 2, "groups_per_step": 1, "max_inflight": 1},
+            "run": {"steps": 1, "checkpoint_every": 1, "progress": False},
+            "tasks": {"eval_every": 1, "eval_samples": 1},
+            "sft": {
+                "source": "rejection",
+                "warmup_rounds": 1,
+                "min_reward": 1.0,
+                "samples_per_task": 2,
+                "epochs": 1,
+            },
+        }
+    )
+    await run_loop(run)
+    rows = lines(tmp_path)
+    assert [r.get("phase") for r in rows[:2]] == ["baseline", "warmup1"]
+    assert rows[1]["sft_examples"] > 0 and rows[1]["weight_version"] > 0
+    assert (tmp_path / "checkpoints" / "step_0").is_dir()
+    run2 = make_run(tmp_path, steps=2)
+    run2.config = run.config
+    await run_loop(run2, max_steps=2)
+    phases = [r.get("phase") for r in lines(tmp_path)]
+    assert phases.count("warmup1") == 1 and phases.count("baseline") == 1
