@@ -5,9 +5,14 @@ Where things run (the design decision this module makes):
 - **Ray actors (`EnvActor`) own the workspaces.** Per task an actor unpacks
   `repo.tar` once, safely, into a *template* and runs the task's `setup` there in
   the sandbox; per episode it copies the template into a fresh workspace
-  (`cp -a --reflink=auto`: copy-on-write on btrfs/xfs, a plain copy elsewhere,
-  ~40 ms for 10 MB) on a size-limited tmpfs of its own where the process may
-  mount one (root), so a command that fills the disk fills only its workspace.
+  (`cp -a --reflink=auto`: copy-on-write on btrfs/xfs, a plain copy elsewhere).
+  All workspaces of a server live on one size-limited tmpfs (`disk_mb`) mounted
+  at the server's root where the process may mount (root), so a command that
+  fills the disk fills that tmpfs, never the machine's disk. It is one mount for
+  the server's lifetime on purpose: bubblewrap re-binds every mount under `/`
+  read-only, and a mount that disappears while another sandbox starts makes that
+  sandbox fail, so per-workspace mounts coming and going would break sandboxes
+  machine-wide.
   Warm pools keep `pool_size` ready copies per task. At the end the actor runs the
   task's `verify` (and graded checks) in a clean sandbox — a fresh bubblewrap
   process, protected files restored from the template — and deletes the
@@ -74,7 +79,9 @@ class EnvConfig:
     num_actors: int = 2
     pool_size: int = 2  # warm workspaces kept ready per task per actor (0: none)
     root: Path | None = None  # where workspaces live; default $TMPDIR/opencomposer-env-<pid>
-    disk_mb: int = 1024  # per-workspace size limit (a tmpfs), where mounting is allowed
+    disk_mb: int | None = (
+        4096  # size of the tmpfs holding all workspaces (root only; None: no mount)
+    )
     memory_mb: int = 4096  # per-command memory limit in the sandbox
     max_processes: int = 256  # per-command process limit in the sandbox
     retries: int = 1  # fresh attempts after the environment (not the agent) failed
@@ -161,23 +168,25 @@ async def run_command(command: str, *, cwd: Path, sandbox: SandboxConfig) -> Com
 # ---------------------------------------------------------------- workspaces on disk
 
 
-def _can_mount() -> bool:
+def mount_tmpfs(path: Path, size_mb: int) -> bool:
+    """Mount a size-limited tmpfs at `path` (an empty folder); False where not allowed."""
     if os.geteuid() != 0 or not shutil.which("mount"):
         return False
-    probe = Path(tempfile.mkdtemp(prefix="oc-mount-probe-"))
-    try:
-        ok = (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True
-            ).returncode
-            == 0
-        )
-        if ok:
-            subprocess.run(["umount", "-l", str(probe)], capture_output=True)
-        return ok
-    finally:
-        with contextlib.suppress(OSError):
-            probe.rmdir()
+    opts = f"size={size_mb}m,mode=0755"
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def sweep_stale_roots(base: Path) -> None:
+    """Remove server roots (`opencomposer-env-PID`) of processes that are gone."""
+    for d in base.glob("opencomposer-env-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove_workspace(d)
 
 
 def _mounts_under(path: Path) -> list[str]:
@@ -223,12 +232,13 @@ class Workspaces:
     def __init__(self, root: Path, config: EnvConfig):
         self.root = root
         self.config = config
-        self.mount = _can_mount()
+        self.mount = bool(_mounts_under(root.parent)) or bool(_mounts_under(root))
         self.templates: dict[str, Path] = {}
         self.pools: dict[str, deque[Path]] = {}
         self.leases: dict[str, Path] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._refills: set[asyncio.Task[Any]] = set()
+        self._filling: set[str] = set()
         remove_workspace(root)  # what a dead predecessor (a restarted actor) left behind
         (root / "templates").mkdir(parents=True, exist_ok=True)
         (root / "ws").mkdir(parents=True, exist_ok=True)
@@ -268,13 +278,9 @@ class Workspaces:
             remove_workspace(path.parent)
 
     async def copy(self, template: Path) -> Path:
-        """A fresh workspace: its own folder (a size-limited tmpfs where possible)
-        holding a copy-on-write copy of the template."""
+        """A fresh workspace: its own folder holding a copy-on-write copy of the template."""
         dest = self.root / "ws" / uuid.uuid4().hex[:12] / "repo"
         dest.mkdir(parents=True)
-        if self.mount:
-            opts = f"size={self.config.disk_mb}m,mode=0755"
-            subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(dest)], check=True)
         proc = await asyncio.create_subprocess_exec(
             "cp",
             "-a",
@@ -302,11 +308,18 @@ class Workspaces:
         return lease_id, path
 
     def _refill(self, key: str, template: Path) -> None:
+        if key in self._filling:
+            return  # one fill loop per task, so the pool never overfills
+
         async def fill() -> None:
             pool = self.pools.setdefault(key, deque())
-            while len(pool) < self.config.pool_size and key in self.templates:
-                pool.append(await self.copy(template))
+            try:
+                while len(pool) < self.config.pool_size and key in self.templates:
+                    pool.append(await self.copy(template))
+            finally:
+                self._filling.discard(key)
 
+        self._filling.add(key)
         task = asyncio.ensure_future(fill())
         self._refills.add(task)
         task.add_done_callback(self._refills.discard)
@@ -516,8 +529,16 @@ class EnvironmentServer:
 
         self.config = config or EnvConfig()
         ensure_ray(self.config.address)
+        if self.config.root is None:
+            sweep_stale_roots(Path(tempfile.gettempdir()))
         root = self.config.root or Path(tempfile.gettempdir()) / f"opencomposer-env-{os.getpid()}"
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.mounted = (
+            self.config.disk_mb is not None
+            and not _mounts_under(self.root)
+            and mount_tmpfs(self.root, self.config.disk_mb)
+        )
         node = ray.get_runtime_context().get_node_id()
         actor_cls = ray.remote(EnvActor).options(
             num_cpus=0,
@@ -556,6 +577,27 @@ class EnvironmentServer:
             with contextlib.suppress(Exception):
                 ray.cancel(ref, force=False)
             raise EnvError("environment call timed out") from None
+
+    async def _await_actors(self, timeout_s: float = 60.0) -> None:
+        """After a failure: give restarting actors up to `timeout_s` to answer again."""
+        import ray
+
+        async def ping(actor: Any) -> None:
+            deadline = time.monotonic() + timeout_s
+            died = 0
+            while time.monotonic() < deadline and died < 6:
+                try:
+                    await asyncio.wait_for(
+                        actor.ping.remote(), timeout=max(0.1, deadline - time.monotonic())
+                    )
+                    return
+                except ray.exceptions.ActorDiedError:
+                    died += 1  # dead for good, or between death and restart: look again briefly
+                except (TimeoutError, ray.exceptions.RayError):
+                    pass
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(ping(a) for a in self.actors))
 
     def _pick(self, task: Task) -> int:
         least = min(self._load)
@@ -648,6 +690,7 @@ class EnvironmentServer:
             except (EnvError, OSError) as e:
                 last = str(e)
                 log.warning("episode %s attempt %d: %s", task.id, attempt, e)
+                await self._await_actors()
         return EpisodeResult(
             task_id=task.id,
             status="env_error",

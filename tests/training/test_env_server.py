@@ -20,7 +20,6 @@ from opencomposer.training.env import (
     EnvConfig,
     EnvironmentServer,
     Workspaces,
-    _can_mount,
 )
 from opencomposer.training.tasks import load_task, write_task
 
@@ -186,7 +185,7 @@ async def test_disk_filling_and_writes_outside_stay_inside(server, tmp_path: Pat
     )
     assert r.resolved  # the workspace works again once the agent removed its big file
     assert not outside.exists() and not home_file.exists() and not Path("/etc/oc-escape").exists()
-    if _can_mount():
+    if server.mounted:
         assert "No space left" in r.turns[1].messages[-1].content
 
 
