@@ -501,3 +501,14 @@ async def test_two_sessions_at_once_and_cancelling_one_leaves_the_other(spawn, h
     survivor = (started - {victim}).pop()
     assert results == {victim: "cancelled", survivor: "completed"}
     assert status(home, victim) == "cancelled" and status(home, survivor) == "completed"
+
+
+async def test_shutdown_and_exit_end_the_process_with_0_and_exit_alone_with_1(spawn, tmp_path):
+    spec = scripted(tmp_path / "m.json", ["hi"])
+    polite = await spawn(spec)
+    await polite.shutdown_async(None)
+    polite.exit(None)
+    assert await asyncio.wait_for(polite.process.wait(), 20) == 0
+    abrupt = await spawn(spec)
+    abrupt.exit(None)
+    assert await asyncio.wait_for(abrupt.process.wait(), 20) == 1
