@@ -234,7 +234,7 @@ class ComposerProtocol(LanguageServerProtocol):
     _server: ComposerServer
 
     def _handle_cancel_notification(self, msg_id: Any) -> None:
-        if not self._server.cancel_request(msg_id):
+        if not self._server.cancel_ask(msg_id):
             super()._handle_cancel_notification(msg_id)
 
     def lsp_exit(self, *args: Any) -> None:  # type: ignore[override]
@@ -328,7 +328,7 @@ class ComposerServer(LanguageServer):
                 except Exception:
                     log.exception("could not mark %s disconnected", r.session.id)
 
-    def cancel_request(self, msg_id: Any) -> bool:
+    def cancel_ask(self, msg_id: Any) -> bool:
         for r in self.shared.running.values():
             if r.owner is self and r.msg_id == msg_id:
                 r.by_request = True

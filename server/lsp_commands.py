@@ -105,7 +105,7 @@ class _Obj:
     def _fail(self, name: str, want: str) -> ArgError:
         return ArgError(f"{self.command}: {name!r} must be {want}, got {self.data[name]!r}")
 
-    def str(self, name: str, *, required: bool = False, nonempty: bool = False) -> str | None:
+    def text(self, name: str, *, required: bool = False, nonempty: bool = False) -> str | None:
         if name not in self.data or self.data[name] is None:
             if required:
                 raise ArgError(f"{self.command} needs {name!r}")
@@ -117,7 +117,7 @@ class _Obj:
             raise ArgError(f"{self.command}: {name!r} is empty")
         return value
 
-    def int(self, name: str, default: int, lo: int, hi: int) -> int:
+    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
         value = self.data.get(name)
         if value is None:
             return default
@@ -133,7 +133,7 @@ class _Obj:
             raise self._fail(name, "one of " + ", ".join(options))
         return value
 
-    def bool(self, name: str) -> bool:
+    def flag(self, name: str) -> bool:
         value = self.data.get(name, False)
         if not isinstance(value, bool):
             raise self._fail(name, "true or false")
@@ -170,42 +170,42 @@ def parse(command: str, arguments: Any) -> Any:
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
             raise ArgError(f"{command}: 'open_files' must be a list of URIs")
         return AskArgs(
-            query=o.str("query", required=True, nonempty=True) or "",
-            uri=o.str("uri"),
+            query=o.text("query", required=True, nonempty=True) or "",
+            uri=o.text("uri"),
             selection=_range(command, o.data.get("selection")),
             open_files=tuple(files),
-            model=o.str("model", nonempty=True),
+            model=o.text("model", nonempty=True),
             approve=o.choice("approve", POLICIES, "safe"),
-            reveal=o.bool("reveal"),
+            reveal=o.flag("reveal"),
         )
     if command == CANCEL:
         o = _Obj(command, arguments, ("session_id",))
-        return CancelArgs(session_id=o.str("session_id", nonempty=True))
+        return CancelArgs(session_id=o.text("session_id", nonempty=True))
     if command == SEARCH:
         o = _Obj(command, arguments, ("query", "k", "path"))
         return SearchArgs(
-            query=o.str("query", required=True, nonempty=True) or "",
-            k=o.int("k", 10, 1, 200),
-            path=o.str("path"),
+            query=o.text("query", required=True, nonempty=True) or "",
+            k=o.integer("k", 10, 1, 200),
+            path=o.text("path"),
         )
     if command == DECIDE:
         o = _Obj(command, arguments, ("session_id", "path", "decision"))
         return DecideArgs(
-            session_id=o.str("session_id", required=True, nonempty=True) or "",
-            path=o.str("path", required=True, nonempty=True) or "",
+            session_id=o.text("session_id", required=True, nonempty=True) or "",
+            path=o.text("path", required=True, nonempty=True) or "",
             decision=o.choice("decision", DECISIONS, None),
         )
     if command == UNDO:
         o = _Obj(command, arguments, ("session_id",))
-        return UndoArgs(session_id=o.str("session_id", required=True, nonempty=True) or "")
+        return UndoArgs(session_id=o.text("session_id", required=True, nonempty=True) or "")
     if command == SESSIONS:
         o = _Obj(command, arguments, ("limit",))
-        return SessionsArgs(limit=o.int("limit", 50, 1, 10_000))
+        return SessionsArgs(limit=o.integer("limit", 50, 1, 10_000))
     if command == SUBMIT:
         o = _Obj(command, arguments, ("session_id", "verify", "out"))
         return SubmitArgs(
-            session_id=o.str("session_id", required=True, nonempty=True) or "",
-            verify=o.str("verify", nonempty=True),
-            out=o.str("out", nonempty=True),
+            session_id=o.text("session_id", required=True, nonempty=True) or "",
+            verify=o.text("verify", nonempty=True),
+            out=o.text("out", nonempty=True),
         )
     raise ArgError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")

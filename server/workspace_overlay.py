@@ -20,7 +20,7 @@ like the VS Code and Neovim clients, already did), so commands run by
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -72,6 +72,7 @@ def line_edits(
     while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
         tail += 1
     a_mid, b_mid = a[head : len(a) - tail], b[head : len(b) - tail]
+    ops: Sequence[tuple[str, int, int, int, int]]
     if max(len(a_mid), len(b_mid)) > _DIFF_LIMIT:
         ops = [("replace", 0, len(a_mid), 0, len(b_mid))]
     else:
