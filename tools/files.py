@@ -28,6 +28,7 @@ from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResul
 from opencomposer.tools.workspace import walk
 
 READ_MAX_LINES = 2000
+READ_MAX_FILE_BYTES = 32_000_000
 READ_MAX_CHARS = 60_000
 LINE_MAX_CHARS = 2000
 DIFF_MAX_CHARS = 4000
@@ -108,6 +109,13 @@ async def read_file(
     key = ws.relative(ws.resolve(path))
     if ws.is_dir(path):
         raise ToolError(f"{key} is a directory; use list_dir to see what it holds")
+    target = ws.resolve(path)
+    if target.is_file() and target.stat().st_size > READ_MAX_FILE_BYTES and key not in ws.overlay():
+        size_mb = target.stat().st_size / 1e6
+        raise ToolError(
+            f"{key} is {size_mb:.0f} MB, too big for read_file (limit "
+            f"{READ_MAX_FILE_BYTES // 1_000_000} MB); use grep, or run_terminal with sed -n 'A,Bp'"
+        )
     lines = split_lines(ws.read_text(path))
     total = len(lines)
     if total == 0:

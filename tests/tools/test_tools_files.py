@@ -312,3 +312,14 @@ async def test_list_dir_errors(ctx: ToolContext) -> None:
         except Exception as e:  # validation errors are the executor's to report
             r = ToolResult.error(str(e))
         assert r.status == "error" and message in r.output, r.output
+
+
+async def test_read_file_refuses_huge_files_with_advice(
+    ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opencomposer.tools import files
+
+    monkeypatch.setattr(files, "READ_MAX_FILE_BYTES", 1000)
+    (ctx.workspace.root / "log.txt").write_text("x" * 5000)
+    r = await call(ctx, "read_file", path="log.txt")
+    assert r.status == "error" and "too big for read_file" in r.output and "sed -n" in r.output
