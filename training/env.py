@@ -344,6 +344,13 @@ class Workspaces:
             path, template, task, answer=answer, tool_ok=tool_ok, config=self.config
         )
 
+    async def aclose(self) -> None:
+        """Stop pool refills (waiting for their copies to end), then `close`."""
+        for t in list(self._refills):
+            t.cancel()
+        await asyncio.gather(*self._refills, return_exceptions=True)
+        self.close()
+
     def close(self) -> None:
         for t in list(self._refills):
             t.cancel()
@@ -447,7 +454,7 @@ class EnvActor:
         self.ws.release(lease_id)
 
     async def shutdown(self) -> None:
-        self.ws.close()
+        await self.ws.aclose()
 
 
 # ---------------------------------------------------------------- the caller's side
@@ -478,7 +485,14 @@ def ensure_ray(address: str | None = None) -> None:
     )
     if address is None:
         kwargs["object_store_memory"] = 80 * 1024 * 1024
-    ray.init(address=address, **kwargs)
+    # Ray announces its (default-on) token authentication on every local start.
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        ray.init(address=address, **kwargs)
+    finally:
+        auth_log.setLevel(level)
     _RAY_STARTED_HERE = address is None
 
 

@@ -69,11 +69,22 @@ _hits = {}
 _outcomes = {}
 
 
+_rel = {}
+
+
+def _relpath(f):
+    # through symlinks (a shim package): the real file is the one to mutate
+    if f not in _rel:
+        real = os.path.realpath(f)
+        _rel[f] = real[len(_ROOT):] if real.startswith(_ROOT) else None
+    return _rel[f]
+
+
 def _tracer(frame, event, arg):
     if event == "call" and _cur is not None:
-        f = frame.f_code.co_filename
-        if f.startswith(_ROOT):
-            _hits.setdefault(_cur, set()).add((f[len(_ROOT):], frame.f_code.co_firstlineno))
+        rel = _relpath(frame.f_code.co_filename)
+        if rel is not None:
+            _hits.setdefault(_cur, set()).add((rel, frame.f_code.co_firstlineno))
     return None
 
 
@@ -756,9 +767,10 @@ def prepare_own(scratch: Path) -> None:
 
 
 def _own_files(root: Path) -> list[str]:
+    """The checkout's files as git sees them: tracked plus untracked-but-not-ignored."""
     try:
         listed = subprocess.run(
-            ["git", "-C", str(root), "ls-files"],
+            ["git", "-C", str(root), "ls-files", "--cached", "--others", "--exclude-standard"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -766,7 +778,8 @@ def _own_files(root: Path) -> list[str]:
         ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         listed = []
-    return [f for f in listed if f.split("/")[0] in (*_PACKAGES, "tests") or f == "pyproject.toml"]
+    keep = (*_PACKAGES, "tests")
+    return sorted({f for f in listed if f.split("/")[0] in keep or f == "pyproject.toml"})
 
 
 def own_suite_dir() -> Path:

@@ -92,7 +92,7 @@ _TOP_KEYS = frozenset(
 )
 
 
-class TaskError(Exception):
+class TaskError(ValueError):
     """A task folder or task source that cannot be used; the message is one line."""
 
 
@@ -207,8 +207,9 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
 
     Built-in names: `starter` (also `starter:train`, `starter:heldout`), generated
     deterministically by `training/starter.py` into the cache; `own`, mined from this
-    repository by `training/mining.py` into the cache on first use. Anything else is a
-    folder of task folders (or one task folder).
+    repository by `training/mining.py` into the cache on first use; the folders under
+    `training/suites/` (e.g. `pypi`, tasks mined from PyPI libraries). Anything else is
+    a folder of task folders (or one task folder).
     """
     name = str(name_or_dir)
     base, _, split = name.partition(":")
@@ -222,6 +223,9 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
         tasks = [load_task(p) for p in mining.ensure_own_suite()]
     else:
         d = Path(name_or_dir)
+        builtin = Path(__file__).parent / "suites" / name
+        if not d.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", name) and builtin.is_dir():
+            d = builtin  # a suite committed under training/suites/
         split = ""
         if not d.is_dir():
             raise TaskError(f"no task suite {name!r}: not a folder, nor one of: own, starter")
