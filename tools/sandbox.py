@@ -316,7 +316,8 @@ def _child_setup(config: SandboxConfig, cgroup: Cgroup | None) -> None:
     for which, value in _limits(config):
         resource.setrlimit(which, (value, value))
     if cgroup is not None:
-        cgroup.attach(os.getpid())
+        with contextlib.suppress(OSError):  # then only the rlimits bound it
+            cgroup.attach(os.getpid())
 
 
 def _read_child_pid(fd: int) -> int | None:
