@@ -369,9 +369,9 @@ def _safe_rel(path: str) -> bool:
 
 # ---------------------------------------------------------------- from traces
 
-_TEST_COMMAND = re.compile(
-    r"(pytest|unittest|\btox\b|\bnox\b|npm (run )?test|yarn test|go test|cargo test|make test|ctest)"
-)
+# A command that runs tests: pytest, unittest, `npm test`, `go test`, `make check`,
+# `python test_calc.py`, `cargo test`, `tox`, …
+_TEST_COMMAND = re.compile(r"test|check|spec|\btox\b|\bnox\b", re.IGNORECASE)
 
 
 def task_from_trace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -286,3 +287,47 @@ def test_task_from_trace_without_git_reverts_edits(tmp_path: Path) -> None:
     assert (dest / "a.py").read_text() == "old\n"
     assert not (dest / "created.py").exists()
     assert (ws / "a.py").read_text() == "new\n"  # the user's workspace is untouched
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+async def test_task_from_a_real_session_trace(tmp_path: Path) -> None:
+    """The real Session + TraceStore: the start state, the query and the passing test run."""
+    import json
+    import sys
+
+    from opencomposer.agent.backends import make_model
+    from opencomposer.agent.session import Session, SessionConfig
+    from opencomposer.agent.traces import TraceStore
+    from opencomposer.tools.workspace import LocalWorkspace
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _git(ws, "init", "-q")
+    (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (ws / "test_calc.py").write_text("from calc import add\nassert add(2, 3) == 5\n")
+    _git(ws, "add", ".")
+    _git(ws, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "start")
+    py = sys.executable
+    turns = [
+        '<edit_file path="calc.py">\n<old>return a - b</old>\n<new>return a + b</new>\n</edit_file>',
+        f"<run_terminal>\n<command>{py} test_calc.py</command>\n</run_terminal>",
+        "Fixed add.",
+    ]
+    script = tmp_path / "m.json"
+    script.write_text(json.dumps({"turns": turns}))
+    store = TraceStore(tmp_path / "traces.db")
+    session = Session(
+        model=make_model(f"scripted:{script}"),
+        workspace=LocalWorkspace(ws),
+        config=SessionConfig(approve="all"),
+        traces=store,
+    )
+    result = await session.run("test_calc.py fails, fix add")
+    assert result.status == "completed"
+    out = task_from_trace(result.session_id[:6], out=tmp_path / "tasks", store=store)
+    task = load_task(out)
+    assert task.query == "test_calc.py fails, fix add"
+    assert task.verify == f"{py} test_calc.py"
+    dest = tmp_path / "start"
+    safe_extract(task.repo_tar, dest)
+    assert (dest / "calc.py").read_text() == "def add(a, b):\n    return a - b\n"  # before the fix
