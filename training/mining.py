@@ -644,7 +644,7 @@ def _query(test: str, error: str, n_failed: int, env_prefix: str) -> str:
     lines = [ln for ln in error.splitlines() if ln.startswith("E ")]
     if not lines:
         lines = [ln for ln in error.strip().splitlines() if ln.strip()][-3:]
-    excerpt = "\n".join(lines[:8])
+    excerpt = "\n".join(ln if len(ln) <= 200 else ln[:200] + " …" for ln in lines[:6])
     more = f" ({n_failed} tests fail in all)" if n_failed > 1 else ""
     prefix = f"{env_prefix} " if env_prefix else ""
     return (
