@@ -150,3 +150,29 @@ def test_prepare_own_imports_from_the_copy(tmp_path: Path) -> None:
     )
     prepare_own(root)
     assert _run("python -m pytest -q -p no:cacheprovider test_where.py", root) == 0
+
+
+def test_committed_pypi_suite_loads() -> None:
+    from opencomposer.training.tasks import load_suite
+
+    tasks = load_suite("pypi")
+    assert len(tasks) >= 4 and {t.source.split(":")[2].split("-")[0] for t in tasks} >= {
+        "inflection",
+        "toolz",
+    }
+    for t in tasks:
+        assert t.protect and "pytest" in t.verify and (t.dir / "solution.json").is_file()
+
+
+@pytest.mark.slow
+def test_committed_pypi_suite_is_verified(tmp_path: Path) -> None:
+    from opencomposer.training.tasks import load_suite
+
+    for task in load_suite("pypi"):
+        ws = tmp_path / task.id
+        safe_extract(task.repo_tar, ws)
+        assert _run(task.verify, ws) != 0, task.id
+        for e in json.loads((task.dir / "solution.json").read_text())["edits"]:
+            text = (ws / e["path"]).read_text()
+            (ws / e["path"]).write_text(text.replace(e["old"], e["new"], 1))
+        assert _run(task.verify, ws) == 0, task.id
