@@ -93,6 +93,8 @@ def make_corpus(dest: Path, chars: int) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, target)
             total += size
+            if total >= chars:
+                break
         if total >= chars:
             break
     marker.write_text("")
@@ -152,7 +154,10 @@ def bench_build(n_chunks: int) -> None:
     )
 
     base = SentenceTransformer(str(default_model_folder()), device="cpu", model_kwargs={"dtype": torch.float32})  # fmt: skip
+    from opencomposer.index.embed import Embedder
+
     sample = texts[: min(len(texts), 300)]
+    torch.set_num_threads(Embedder._threads(len(sample)))  # the same thread policy as the index
     base.encode(sample[:16])
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -216,10 +216,13 @@ def bm25_rank(docs: list[str], queries: list[str], k: int = 10) -> list[list[int
 
 def minilm_rank(docs: list[str], queries: list[str], k: int = 10) -> tuple[list[list[int]], float]:
     import torch
-    from opencomposer.index.embed import default_model_folder
+    from opencomposer.index.embed import Embedder, default_model_folder
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(default_model_folder()), device="cpu", model_kwargs={"dtype": torch.float32})  # fmt: skip
+    model = SentenceTransformer(
+        str(default_model_folder()), device="cpu", model_kwargs={"dtype": torch.float32}
+    )
+    torch.set_num_threads(Embedder._threads(len(docs)))  # the same thread policy as the index
     t0 = time.perf_counter()
     with torch.inference_mode():
         d = model.encode(docs, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import sqlite3
+import sys
 import threading
 import time
 from collections import Counter
@@ -142,6 +143,7 @@ class CodebaseIndex:
         self._meta: dict[int, tuple[str, int, int, str]] = {}
         self._vectors: Any = None  # faiss index
         self._tree = Tree.build({})
+        self._query_cache: dict[str, np.ndarray] = {}
 
     # -- life cycle ------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class CodebaseIndex:
     def _connect(self) -> None:
         """Open the database; a corrupt or stale one is replaced (one-line warning)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        gitignore = self.dir.parent / ".gitignore"
+        gitignore = self.dir / ".gitignore"  # keep the index out of the user's commits
         if not gitignore.exists():
             try:
                 gitignore.write_text("*\n")
@@ -291,7 +293,7 @@ class CodebaseIndex:
         db = self.db
         self._generation = self._stored_generation()
         self._meta = {
-            row[0]: (row[1], row[2], row[3], row[4])
+            row[0]: (sys.intern(row[1]), row[2], row[3], row[4])
             for row in db.execute("SELECT id, path, start_line, end_line, symbol FROM chunks")
         }
         rows = db.execute(
@@ -478,7 +480,7 @@ class CodebaseIndex:
                         "INSERT INTO lex (rowid, names, body) VALUES (?, ?, ?)",
                         (cid, lexical_names(c), document(c.text)),
                     )
-                    self._meta[cid] = (path, c.start_line, c.end_line, c.symbol)
+                    self._meta[cid] = (sys.intern(path), c.start_line, c.end_line, c.symbol)
                 db.executemany(
                     "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
                     [(p, *file_rows[p]) for p in batch],
@@ -640,7 +642,7 @@ class CodebaseIndex:
     def dense_search(self, query: str, *, n: int, allowed: np.ndarray | None = None) -> list[int]:
         import faiss
 
-        qv = self.embedder.encode([query[:4000]])
+        qv = self._query_vector(query[:4000])
         params = None
         if allowed is not None:
             sel = faiss.IDSelectorBatch(allowed)
@@ -651,6 +653,16 @@ class CodebaseIndex:
             )
         _, ids = self._vectors.search(qv, min(n, len(self._meta)), params=params)
         return [int(i) for i in ids[0] if i >= 0]
+
+    def _query_vector(self, query: str) -> np.ndarray:
+        """[1, dim]; recent queries are cached (agents repeat themselves)."""
+        qv = self._query_cache.pop(query, None)
+        if qv is None:
+            qv = self.embedder.encode([query])
+        self._query_cache[query] = qv
+        while len(self._query_cache) > 128:
+            self._query_cache.pop(next(iter(self._query_cache)))
+        return qv
 
     def lexical_search(self, query: str, *, n: int, allowed: np.ndarray | None = None) -> list[int]:
         match = fts_query(query)

@@ -45,3 +45,23 @@ def test_bad_embedder_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
     monkeypatch.setenv("OPENCOMPOSER_EMBEDDER", str(tmp_path))
     assert cmd_index(tmp_path) == 1
     assert "not a sentence-transformers model" in capsys.readouterr().err
+
+
+def test_bad_files_are_skipped_with_reasons(workspace: Path, embedder_env: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    import os
+
+    (workspace / "blob.dat2").write_bytes(b"\x00\x01\x02" * 1000)
+    (workspace / "huge.py").write_text("x = 1\n" * 400_000)
+    (workspace / "bundle.js").write_text("var a=1;" * 5000)
+    (workspace / "latin1.py").write_bytes((bytes(range(160, 256)) + b"\n") * 50)
+    (workspace / "mostly_ok.py").write_bytes(
+        b"def caf\xe9_helper():\n    return 1\n" + b"# ok\n" * 50
+    )
+    os.symlink(workspace, workspace / "src" / "loop")
+    assert cmd_index(workspace) == 0
+    out = capsys.readouterr().out
+    for reason in ("binary", "too large", "generated or minified", "not UTF-8", "symlink"):
+        assert reason in out, out
+    assert cmd_search("helper", workspace, k=10, as_json=True) == 0
+    paths = {r["path"] for r in json.loads(capsys.readouterr().out)}
+    assert "mostly_ok.py" in paths and "latin1.py" not in paths
