@@ -794,10 +794,20 @@ def own_suite_dir() -> Path:
     return home() / "suites" / f"own-{h.hexdigest()[:12]}"
 
 
-def ensure_own_suite(limit: int = OWN_LIMIT) -> list[Path]:
-    """The `own` suite's task folders: mined from this repository's tracked source on
-    first use (a few minutes), cached by the content of the mined files."""
+def ensure_own_suite(limit: int = OWN_LIMIT, *, refresh: bool = False) -> list[Path]:
+    """The `own` suite's task folders, mined from this checkout (git-visible files)
+    on first use — about 15 minutes on a busy 2-core machine — and cached under a
+    hash of the mined files. A suite mined from an older version of those files is
+    still a valid suite (each task carries its own repo.tar), so the newest one is
+    used unless `refresh` asks for the current code."""
     d = own_suite_dir()
+    if not refresh and not (d / ".complete").exists():
+        older = sorted(
+            (p for p in d.parent.glob("own-*") if (p / ".complete").exists()),
+            key=lambda p: (p / ".complete").stat().st_mtime,
+        )
+        if older:
+            d = older[-1]
     if not (d / ".complete").exists():
         root = project_root()
         with tempfile.TemporaryDirectory(prefix="oc-own-") as tmp:
