@@ -97,6 +97,7 @@ class Permutation:
     """Where each (token, slot) pair lives in the expert-sorted buffer."""
 
     rows: torch.Tensor  # [T * k] buffer row of pair (t, j) at index t * k + j
+    order: torch.Tensor  # [T * k] pair id (t * k + j) of each pair, in buffer order
     tokens: torch.Tensor  # [T * k] source token of each pair, in buffer order (no pads)
     dest: torch.Tensor  # [T * k] buffer row of each pair, in buffer order
     offsets: torch.Tensor  # [E] int32 cumulative group ends, as _grouped_mm takes them
@@ -120,6 +121,7 @@ def make_permutation(indices: torch.Tensor, num_experts: int, align: int = 1) ->
     rows[order] = dest
     return Permutation(
         rows=rows,
+        order=order,
         tokens=order // indices.shape[-1],
         dest=dest,
         offsets=ends.to(torch.int32),
@@ -130,15 +132,23 @@ def make_permutation(indices: torch.Tensor, num_experts: int, align: int = 1) ->
 
 def permute(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """Token rows ``x`` [T, D] -> expert-sorted buffer [P, D] (pad rows are zero)."""
-    buf = x.new_zeros(perm.size, x.shape[-1])  # [P, D]
-    return buf.index_copy(0, perm.dest, x.index_select(0, perm.tokens))
+    rows = x.index_select(0, perm.tokens)  # [T*k, D]
+    if perm.size == rows.shape[0]:  # no padding: the buffer is the gather itself
+        return rows
+    return x.new_zeros(perm.size, x.shape[-1]).index_copy(0, perm.dest, rows)
 
 
-def unpermute(y: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
-    """Expert outputs ``y`` [P, D] -> tokens [T, D], summing slots with router weights."""
-    t, k = weights.shape
-    pairs = y.index_select(0, perm.rows).view(t, k, -1)  # [T, k, D]
-    return (pairs.float() * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)  # [T, D]
+def unpermute(
+    y: torch.Tensor, perm: Permutation, weights: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Expert outputs ``y`` [P, D] -> tokens [T, D]: each pair's row times its router
+    weight (``weights`` [T, k]), summed per token into ``out`` (default zeros in y's dtype)."""
+    t = weights.shape[0]
+    if perm.size != perm.dest.shape[0]:
+        y = y.index_select(0, perm.dest)  # [T*k, D] drop pad rows
+    w = weights.reshape(-1)[perm.order]  # [T*k] weights in buffer order (fp32 router)
+    out = y.new_zeros(t, y.shape[-1]) if out is None else out
+    return out.index_add_(0, perm.tokens, (y * w.unsqueeze(-1)).to(out.dtype))
 
 
 # --------------------------------------------------------------- grouped GEMMs
@@ -253,29 +263,32 @@ class GroupedExperts(nn.Module):
     def forward_loop(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The reference: one expert at a time (transformers' Mixtral loop)."""
+        """The reference: one expert at a time, as transformers' Mixtral does it."""
         dtype = compute_dtype(hidden)
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, D]
+        hidden = hidden.to(dtype)
+        out = torch.zeros_like(hidden)  # [T, D]
         for e in range(self.config.num_experts):
             token, slot = torch.where(top_k_index == e)  # [n_e], [n_e]
             if token.numel() == 0:
                 continue
             gate, up = self._linear(hidden[token], self.gate_up_proj[e], dtype).chunk(2, dim=-1)
             y = self._linear(F.silu(gate) * up, self.down_proj[e], dtype)  # [n_e, D]
-            out = out.index_add(0, token, y.float() * top_k_weights[token, slot, None])
-        return out.to(dtype)
+            y = y * top_k_weights[token, slot, None]  # fp32 router weights
+            out.index_add_(0, token, y.to(dtype))
+        return out
 
     def forward_grouped(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The fast path: permute once, two grouped GEMMs, unpermute."""
+        """The fast path: permute once, two grouped GEMMs, one weighted scatter-add."""
         dtype = compute_dtype(hidden)
+        hidden = hidden.to(dtype)
         align = BLOCK if self.mx is not None else 1
         perm = make_permutation(top_k_index, self.config.num_experts, align)
-        x = permute(hidden.to(dtype), perm)  # [P, D]
+        x = permute(hidden, perm)  # [P, D]
         gate, up = self._gmm(x, self.gate_up_proj, perm, dtype).chunk(2, dim=-1)  # [P, F] x2
         y = self._gmm(F.silu(gate) * up, self.down_proj, perm, dtype)  # [P, D]
-        return unpermute(y, perm, top_k_weights.float())  # [T, D]
+        return unpermute(y, perm, top_k_weights, out=torch.zeros_like(hidden))  # [T, D]
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, perm: Permutation, dtype: torch.dtype):
         if self.mx is None:

@@ -315,11 +315,11 @@ def test_mx_training_step_reduces_loss():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
     to_mxfp8_training(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x = torch.randn(128, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 64)
     target = torch.sin(x)
     losses = []
-    for _ in range(30):
+    for _ in range(15):
         loss = F.mse_loss(model(x), target)
         opt.zero_grad()
         loss.backward()
