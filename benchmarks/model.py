@@ -80,7 +80,9 @@ async def main() -> None:
     results = {}
     for label, spec in (("hf", "hf:smollm2"), ("vllm", "vllm:smollm2")):
         results[label] = await measure(spec, args.max_tokens, args.batch)
-        print(f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in results[label].items()))
+        print(
+            f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in results[label].items()), flush=True
+        )
     hf, vl = results["hf"], results["vllm"]
     n = args.batch
     print(f"\nSmolLM2-135M, {args.max_tokens} tokens per prompt; vLLM relative to hf (same run):")

@@ -63,6 +63,7 @@ class TaskStream:
             while True:
                 item = await self._queue.get()
                 if item is _DONE:
+                    self._queue.put_nowait(_DONE)  # a second iteration ends too
                     return
                 if isinstance(item, BaseException):
                     raise item

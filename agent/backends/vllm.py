@@ -105,9 +105,9 @@ class VLLMModel:
             except Exception as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise ModelError(f"vLLM could not start {self.path}: {first}") from e
-            self._stop_ids = sorted(self.tokenizer.stop_ids())
 
     def _build_engine(self) -> Any:
+        self._stop_ids = sorted(self.tokenizer.stop_ids())  # loads the tokenizer off the loop
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
