@@ -28,9 +28,10 @@ starts an engine must keep its top level under `if __name__ == "__main__":` (the
 The engine is built in a worker thread so the event loop (LSP handshakes, other
 sessions) keeps running during the 25 s start. vLLM's logs go to stderr at WARNING
 (`VLLM_LOGGING_STREAM`, `VLLM_LOGGING_LEVEL`; set them to override), because stdout
-carries the LSP protocol and `ask --json`. The KV cache is sized by `kv_cache_gib`
-(default 1 GiB: ~45k tokens of SmolLM2, 16 sessions of ~2.8k) rather than a share of
-the machine's memory, which vLLM-CPU would otherwise take.
+carries the LSP protocol and `ask --json`. On CPU the KV cache is sized by
+`kv_cache_gib` (default 1 GiB: 46,592 tokens of SmolLM2, 16 sessions of ~2.9k) rather
+than a share of the machine's memory, which vLLM-CPU would otherwise take; on a GPU
+the default is vLLM's own (`gpu_memory_utilization`).
 
 On CPU the engine runs eagerly (`enforce_eager=None` means eager on CPU): with
 vLLM 0.32-CPU and torch 2.13 the torch.compile path produced wrong text for
@@ -61,6 +62,9 @@ _ENV_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# Before anything imports vllm: its logging is configured once, at import.
+for _key, _value in _ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
 
 
 class VLLMModel:
@@ -71,7 +75,7 @@ class VLLMModel:
         name: str | None = None,
         dtype: str = "bfloat16",
         context_window: int | None = None,
-        kv_cache_gib: float = 1.0,
+        kv_cache_gib: float | None = None,
         max_num_seqs: int = 16,
         enforce_eager: bool | None = None,
         seed: int = 0,
@@ -98,8 +102,6 @@ class VLLMModel:
         async with self._start_lock:
             if self._engine is not None:
                 return
-            for key, value in _ENV_DEFAULTS.items():
-                os.environ.setdefault(key, value)
             try:
                 self._engine = await asyncio.to_thread(self._build_engine)
             except Exception as e:
@@ -112,7 +114,9 @@ class VLLMModel:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        eager = current_platform.is_cpu() if self.enforce_eager is None else self.enforce_eager
+        cpu = current_platform.is_cpu()
+        eager = cpu if self.enforce_eager is None else self.enforce_eager
+        kv_gib = self.kv_cache_gib if self.kv_cache_gib is not None else (1.0 if cpu else None)
 
         args = AsyncEngineArgs(
             model=self.path,
@@ -120,7 +124,7 @@ class VLLMModel:
             dtype=self.dtype,
             max_model_len=self.context_window,
             max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30),
+            kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
             enforce_eager=eager,
             seed=self.seed,
             disable_log_stats=True,
@@ -199,7 +203,7 @@ class VLLMModel:
         `weights` is a folder holding `*.safetensors` in checkpoint (Hugging Face)
         names, one `.safetensors` file, or `(name, tensor)` pairs such as
         `model.state_dict().items()`. Turns in flight finish on the new weights;
-        theirs `meta["weight_version_end"]` says so.
+        their `meta["weight_version_end"]` says so.
         """
         await self.start()
         folder = await asyncio.to_thread(self._weights_folder, weights)
