@@ -239,6 +239,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     ):
         ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_ylabel(label)
+        ax.set_ylim(bottom=0, top=max([1.0, *(r[key] * 1.1 for r in rows)]))
     axes[-1].set_xticks(range(len(rows)))
     axes[-1].set_xticklabels(ids, rotation=90, fontsize=7)
     axes[0].set_title("per task (green: resolved)")
