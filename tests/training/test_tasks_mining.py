@@ -176,3 +176,24 @@ def test_committed_pypi_suite_is_verified(tmp_path: Path) -> None:
             text = (ws / e["path"]).read_text()
             (ws / e["path"]).write_text(text.replace(e["old"], e["new"], 1))
         assert _run(task.verify, ws) == 0, task.id
+
+
+@pytest.mark.slow
+def test_own_suite_is_mined_from_this_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opencomposer.training import mining
+    from opencomposer.training.tasks import load_suite
+
+    monkeypatch.setenv("OPENCOMPOSER_HOME", str(tmp_path))
+    monkeypatch.setattr(
+        mining, "OWN_TARGETS", (("tools/output.py", "tests/tools/test_tools_output.py"),)
+    )
+    paths = mining.ensure_own_suite(limit=1, refresh=True)
+    assert len(paths) == 1
+    tasks = load_suite("own")
+    assert [t.id for t in tasks] == [paths[0].name] and tasks[0].source == "mined:own"
+    ws = tmp_path / "ws"
+    safe_extract(tasks[0].repo_tar, ws)
+    assert (ws / "conftest.py").read_text().startswith("# Added by opencomposer's task miner")
+    assert _run(tasks[0].verify, ws) != 0
