@@ -342,8 +342,12 @@ class ComposerServer(LanguageServer):
             raise ConnectionError("the editor disconnected")
         fut = self.protocol.send_request(method, params)
         self._outgoing.add(fut)
+        waiter = asyncio.wrap_future(fut)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
         try:
-            return await asyncio.wrap_future(fut)
+            # shielded: a cancelled session must not cancel pygls' future, which the
+            # editor's late answer would then fail to resolve
+            return await asyncio.shield(waiter)
         finally:
             self._outgoing.discard(fut)
 
