@@ -3,7 +3,8 @@ minutes on a loaded 2-core machine, so one engine serves every check here).
 
 Guards: token ids and logprobs that match the tokenizer and a transformers forward
 pass; concurrent sessions on one engine; `aclose()` aborting in the engine; an
-in-place weight reload that changes the outputs and the recorded `weight_version`.
+in-place weight reload that changes the outputs and the recorded `weight_version`;
+nothing written to stdout by the engine's processes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def reference_logprobs(folder: str, prompt: list[int], completion: list[int]) ->
     return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
 
 
-async def test_vllm_engine_end_to_end() -> None:
+async def test_vllm_engine_end_to_end(capfd: pytest.CaptureFixture[str]) -> None:
     model = make_model("smollm2")
     assert isinstance(model, VLLMModel) and model.context_window == 8192
     try:
@@ -93,3 +94,6 @@ async def test_vllm_engine_end_to_end() -> None:
         assert restored.completion_token_ids == ids
     finally:
         await model.close()
+    # stdout carries the LSP protocol and `ask --json`: the engine processes (which
+    # inherit file descriptor 1) must write nothing there.
+    assert capfd.readouterr().out == ""
