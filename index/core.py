@@ -49,15 +49,16 @@ import numpy as np
 from .chunking import Chunk, ChunkConfig, chunk_text
 from .embed import Embedder, EmbedderConfig
 from .files import WalkConfig, content_skip_reason, decode, name_skip_reason, walk
-from .lexical import FTS_TOKENIZER, document, fts_query
+from .lexical import FTS_TOKENIZER, document, fts_query, split_identifier
 from .merkle import Tree, content_hash, diff
 
 log = logging.getLogger("opencomposer.index")
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 INDEX_DIR = Path(".opencomposer") / "index"
 FLAT_MAX = 150_000
-RRF_K = 60
+# Small k trusts the top of each list; 5 beat the textbook 60 by +0.02 MRR@10 (retrieval.py).
+RRF_K = 5
 LEXICAL_WEIGHT = 1.0
 CANDIDATES = 50
 # Files whose mtime is this recent may still change within the same mtime tick.
@@ -103,10 +104,16 @@ class IndexStats:
 
 
 def embed_text(chunk: Chunk) -> str:
-    """What the embedder sees: where the chunk lives, its enclosing header, its code."""
-    where = chunk.path + (f" {chunk.scope}" if chunk.scope else "")
+    """What the embedder sees: the symbol and scope as words, the path, the enclosing header, the code.
+
+    Spelling `split_before` as "split before" first gave MiniLM (a model of
+    English) +0.02 MRR@10 on its own in benchmarks/retrieval.py.
+    """
+    name = " ".join(split_identifier(chunk.symbol)) if chunk.symbol else ""
+    scope = f"(in {' '.join(split_identifier(chunk.scope))})" if chunk.scope else ""
+    head = " ".join(x for x in (name, scope, "-", chunk.path) if x)
     context = chunk.context.splitlines()[-1].strip() if chunk.context else ""
-    return f"{where}\n{context}\n{chunk.text}" if context else f"{where}\n{chunk.text}"
+    return f"{head}\n{context}\n{chunk.text}" if context else f"{head}\n{chunk.text}"
 
 
 def lexical_names(chunk: Chunk) -> str:
