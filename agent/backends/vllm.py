@@ -19,7 +19,8 @@ How it departs from `vllm serve`:
   `reload_weights(weights_path=...)` through `collective_rpc` by method name (no
   pickled function, so no `VLLM_ALLOW_INSECURE_SERIALIZATION`); in-memory tensors
   are first written to one safetensors file in a staging folder (RAM-backed
-  `/dev/shm` where there is one). `weight_version` is stamped on every turn.
+  `/dev/shm` where there is one), deleted as soon as the engine has read it.
+  `weight_version` is stamped on every turn.
 
 Process model. The engine core runs in a child process; vLLM's CPU platform forces
 the `spawn` start method, which re-imports the parent's `__main__`: a script that
@@ -94,6 +95,7 @@ class VLLMModel:
         self._stop_ids: list[int] = []
         self._start_lock = asyncio.Lock()
         self._staging: Path | None = None
+        self._reload_lock = asyncio.Lock()
 
     # -- engine lifecycle ----------------------------------------------------
 
@@ -138,6 +140,9 @@ class VLLMModel:
             # AsyncLLM.__del__ shuts down again, at interpreter exit when vLLM's
             # module globals are gone, and prints a TypeError; once is enough.
             engine.shutdown = lambda *args, **kwargs: None
+        self._drop_staging()
+
+    def _drop_staging(self) -> None:
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
@@ -206,16 +211,19 @@ class VLLMModel:
         their `meta["weight_version_end"]` says so.
         """
         await self.start()
-        folder = await asyncio.to_thread(self._weights_folder, weights)
-        try:
-            await self._engine.collective_rpc(
-                "reload_weights", kwargs={"weights_path": str(folder)}
-            )
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ModelError(f"vLLM weight reload from {folder} failed: {first}") from e
-        await self._engine.reset_prefix_cache()
-        self.weight_version = version
+        async with self._reload_lock:  # one staging folder, one reload at a time
+            folder = await asyncio.to_thread(self._weights_folder, weights)
+            try:
+                await self._engine.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": str(folder)}
+                )
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ModelError(f"vLLM weight reload from {folder} failed: {first}") from e
+            finally:
+                self._drop_staging()  # the engine holds the weights now; free the RAM
+            await self._engine.reset_prefix_cache()
+            self.weight_version = version
 
     def _weights_folder(self, weights: Iterable[tuple[str, Any]] | str | Path) -> Path:
         if isinstance(weights, str | Path):
@@ -242,12 +250,10 @@ class VLLMModel:
         return staging
 
     def _fresh_staging(self) -> Path:
-        if self._staging is None:
-            shm = Path("/dev/shm")
-            base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-            self._staging = Path(tempfile.mkdtemp(prefix="opencomposer-weights-", dir=base))
-        for child in self._staging.iterdir():
-            child.unlink()
+        self._drop_staging()
+        shm = Path("/dev/shm")
+        base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+        self._staging = Path(tempfile.mkdtemp(prefix="opencomposer-weights-", dir=base))
         return self._staging
 
 
