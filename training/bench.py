@@ -86,6 +86,9 @@ async def _run(
     gate = asyncio.Semaphore(concurrency)
     try:
         model_obj = server.model(model)  # built once, shared by every episode
+        start = getattr(model_obj, "start", None)
+        if start is not None:  # engines start before the clock of any episode runs
+            await start()
 
         async def one(task: Task) -> EpisodeResult:
             async with gate:

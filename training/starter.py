@@ -12,7 +12,8 @@ gives byte-identical task folders):
 
 Rewards are graded so that a small model learns step by step: a share for making
 a valid tool call at all (`tool_call`), shares for partial progress (`checks`:
-the file still compiles, each file renamed), and the rest for `verify`.
+one of the configured values reported, an edit that keeps the module valid,
+each file renamed), and the rest for `verify`. No check pays for doing nothing.
 
 Each task has a `split`: about one in five is `heldout` (chosen by a hash of the
 task id, so it is stable as the suite grows), for the RL loop's learning curve:
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from opencomposer.training.tasks import ANSWER_FILE, write_task
 
-VERSION = 1
+VERSION = 2
 SOLUTION = "solution.json"  # {"answer": str, "edits": [{"path", "old", "new"}]}
 DEFAULT_SEED = 0
 DEFAULT_PER_KIND = 12
@@ -161,7 +162,6 @@ def _find_task(rng: random.Random, out: Path, task_id: str) -> Path:
         "app/main.py": "from config.settings import *  # noqa\n\n\ndef main():\n    return 0\n",
     }
     name, value = names[target], values[target]
-    where = "config/settings.py" if target < 2 else "config/limits.toml"
     key = name if target < 2 else name.lower()
     solution = {"answer": f"{key} is {value}.", "edits": []}
     return _task(
@@ -176,9 +176,12 @@ def _find_task(rng: random.Random, out: Path, task_id: str) -> Path:
         reward={
             "verify": 0.7,
             "tool_call": 0.2,
-            # partial credit for naming the setting or its file
+            # partial credit for reporting one of the configured values (it looked)
             "checks": [
-                {"command": f"grep -qiE '{key}|{where}|{value}' {ANSWER_FILE}", "weight": 0.1}
+                {
+                    "command": f"grep -qwE '{'|'.join(map(str, values))}' {ANSWER_FILE}",
+                    "weight": 0.1,
+                }
             ],
         },
     )
@@ -239,7 +242,14 @@ def _fix_task(rng: random.Random, out: Path, task_id: str) -> Path:
         reward={
             "verify": 0.7,
             "tool_call": 0.2,
-            "checks": [{"command": f"python -m py_compile {mod}.py", "weight": 0.1}],
+            # partial credit for an edit that leaves the module valid Python
+            "checks": [
+                {
+                    "command": f"python -m py_compile {mod}.py && "
+                    f"! (echo '{hashlib.sha256(broken.encode()).hexdigest()}  {mod}.py' | sha256sum -c --status)",
+                    "weight": 0.1,
+                }
+            ],
         },
     )
 
@@ -267,8 +277,7 @@ def _rename_task(rng: random.Random, out: Path, task_id: str) -> Path:
     solution = {
         "answer": "Renamed.",
         "edits": [
-            {"path": p, "old": files[p], "new": re.sub(rf"\b{old}\b", new, files[p])}
-            for p in users
+            {"path": p, "old": files[p], "new": re.sub(rf"\b{old}\b", new, files[p])} for p in users
         ],
     }
     return _task(

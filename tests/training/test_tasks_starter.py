@@ -58,6 +58,8 @@ def test_every_task_fails_before_and_passes_with_the_solution(tmp_path: Path) ->
         (repo / ANSWER_FILE).parent.mkdir(parents=True, exist_ok=True)
         (repo / ANSWER_FILE).write_text("I don't know.")
         assert _run(task.verify, repo) != 0, task.id
+        for check in task.reward.get("checks", []):  # no partial reward for doing nothing
+            assert _run(check["command"], repo) != 0, (task.id, check)
         _apply(repo, json.loads((path / starter.SOLUTION).read_text()))
         assert _run(task.verify, repo) == 0, task.id
         for check in task.reward.get("checks", []):
