@@ -12,7 +12,8 @@ Where things run (the design decision this module makes):
   the server's lifetime on purpose: bubblewrap re-binds every mount under `/`
   read-only, and a mount that disappears while another sandbox starts makes that
   sandbox fail, so per-workspace mounts coming and going would break sandboxes
-  machine-wide.
+  machine-wide. The price: episodes of one server share that space, so one that
+  fills it makes the others' writes fail until it is released.
   Warm pools keep `pool_size` ready copies per task. At the end the actor runs the
   task's `verify` (and graded checks) in a clean sandbox — a fresh bubblewrap
   process, protected files restored from the template — and deletes the
