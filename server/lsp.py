@@ -35,6 +35,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -192,6 +193,18 @@ class Shared:
                 except Exception as e:
                     raise server_error(f"could not load model {spec}: {e}") from None
         return self._models[spec]
+
+    async def close(self) -> None:
+        """Stop model engines (vLLM worker processes) and close the trace store."""
+        for spec, model in list(self._models.items()):
+            try:
+                await asyncio.wait_for(model.close(), 30)
+            except Exception:
+                log.exception("closing model %s failed", spec)
+        self._models.clear()
+        if self._traces is not None:
+            self._traces.close()
+            self._traces = None
 
     def traces(self) -> TraceStore:
         if self._traces is None:
@@ -884,9 +897,18 @@ def serve(*, stdio: bool = True, tcp: tuple[str, int] | None = None, model: str 
         def listening(host: str, port: int) -> None:
             print(f"opencomposer serve: listening on {host}:{port}", file=sys.stderr, flush=True)
 
+        async def run_tcp() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+            try:
+                await lsp_transport.serve_tcp(make, tcp[0], tcp[1], listening)
+            finally:
+                await shared.close()
+
         try:
-            asyncio.run(lsp_transport.serve_tcp(make, tcp[0], tcp[1], listening))
-        except KeyboardInterrupt:
+            asyncio.run(run_tcp())
+        except (KeyboardInterrupt, asyncio.CancelledError):
             return 0
         except OSError as e:
             print(
@@ -896,8 +918,15 @@ def serve(*, stdio: bool = True, tcp: tuple[str, int] | None = None, model: str 
             return 1
         return 0
     started = time.monotonic()
+
+    async def run_stdio() -> None:
+        try:
+            await lsp_transport.serve_stdio(make)
+        finally:
+            await shared.close()
+
     try:
-        asyncio.run(lsp_transport.serve_stdio(make))
+        asyncio.run(run_stdio())
     except KeyboardInterrupt:
         return 0
     log.debug("served for %.1f s", time.monotonic() - started)

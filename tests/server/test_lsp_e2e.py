@@ -411,7 +411,7 @@ async def test_two_clients_share_one_workspace_over_tcp(repo, home, tmp_path):
         await b.close()
     finally:
         proc.terminate()
-        await proc.wait()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0  # SIGTERM: a clean stop
 
 
 def test_module_entry_rejects_a_bad_tcp_address():
