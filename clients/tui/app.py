@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,12 +37,13 @@ from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widget import AwaitMount
 from textual.widgets import Footer, Static
 
-FLUSH_INTERVAL_S = 1 / 30
+FLUSH_INTERVAL_S = 1 / 12
 SPIN_INTERVAL_S = 0.1
 
 
@@ -65,12 +67,12 @@ class SessionView:
     answered: bool = False
 
 
-class ServerEvent(Message):
-    """An `opencomposer/event` notification, moved onto the app's message queue."""
+class ServerEvents(Message):
+    """`opencomposer/event` notifications are waiting in `App.inbox`.
 
-    def __init__(self, event: dict[str, Any]) -> None:
-        super().__init__()
-        self.event = event
+    Events arrive at hundreds a second while the model streams; one message per batch
+    (not per event) keeps key presses from queueing behind them.
+    """
 
 
 class ServerStopped(Message):
@@ -146,6 +148,9 @@ class OpenComposerApp(App[int]):
         self.log_lines: list[Text] = []
         self.server_error: str | None = None
         self.queued: list[tuple[DiffEntry, str]] = []
+        self._status_text = ""
+        self.inbox: list[dict[str, Any]] = []
+        self._inbox_posted = False
 
     # -- layout -------------------------------------------------------------------------
 
@@ -246,7 +251,19 @@ class OpenComposerApp(App[int]):
     # -- LinkUI: called by the link on this loop -----------------------------------------
 
     def server_event(self, event: dict[str, Any]) -> None:
-        self.post_message(ServerEvent(event))
+        self.inbox.append(event)
+        if not self._inbox_posted:
+            self._inbox_posted = True
+            self.post_message(ServerEvents())
+
+    async def on_server_events(self, message: ServerEvents) -> None:
+        self._inbox_posted = False
+        batch, self.inbox = self.inbox, []
+        try:
+            for event in batch:
+                await self.handle_event(event)
+        except NoMatches:  # the app is closing: its widgets are gone
+            return
 
     async def server_approval(self, message: str, actions: list[str]) -> str | None:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
@@ -339,6 +356,12 @@ class OpenComposerApp(App[int]):
             self.post_message(AskDone(session, result if isinstance(result, dict) else {}, None))
 
     async def on_ask_done(self, message: AskDone) -> None:
+        try:
+            await self._ask_done(message)
+        except NoMatches:  # the app is closing
+            return
+
+    async def _ask_done(self, message: AskDone) -> None:
         session, result = message.session, message.result
         await self._flush_streams()
         session.ended = session.ended or time.monotonic()
@@ -360,8 +383,8 @@ class OpenComposerApp(App[int]):
         self._refresh_status()
         self._decide_queued()
 
-    async def on_server_event(self, message: ServerEvent) -> None:
-        event = message.event
+    async def handle_event(self, event: dict[str, Any]) -> None:
+        """Draw one session event (DESIGN.md's stream plus `session_id`)."""
         session = self.session
         kind = event.get("type")
         sid = event.get("session_id")
@@ -408,7 +431,8 @@ class OpenComposerApp(App[int]):
                     "ok" if session.status in ("ok", "completed") else "warn",
                 )
             )
-        self._refresh_status()
+        if kind != "model_delta":
+            self._refresh_status()
 
     def _summary(self, event: dict[str, Any]) -> str:
         parts = [f"session {event.get('status', 'ended')}"]
@@ -588,7 +612,9 @@ class OpenComposerApp(App[int]):
             text.append(f" · {state}", style="italic")
         else:
             text.append(f" · {getattr(self, '_state', '')}", style="italic")
-        status.update(text)
+        if text.plain != self._status_text:
+            self._status_text = text.plain
+            status.update(text, layout=False)  # one fixed-height line
 
 
 def short_model(spec: str) -> str:
@@ -610,6 +636,10 @@ def run(*, workspace: Path, model: str, tcp: str | None = None) -> int:
 
         print(f"opencomposer tui: workspace {workspace} is not a folder", file=sys.stderr)
         return 2
+    # Log records written to the terminal would tear the screen apart.
+    for name in ("pygls", "opencomposer", "asyncio"):
+        logging.getLogger(name).addHandler(logging.NullHandler())
+        logging.getLogger(name).propagate = False
     app = OpenComposerApp(workspace=workspace, model=model, tcp=tcp)
     result = app.run()
     return int(result or 0)

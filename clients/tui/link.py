@@ -185,14 +185,23 @@ class ServerLink:
                 f"the language server did not answer `initialize` in {INITIALIZE_TIMEOUT_S:.0f} s"
             ) from exc
         except (OSError, JsonRpcException, RuntimeError) as exc:
-            await self.stop()
-            reason = self.lost_reason or self.stop_reason(
+            reason = await self._exit_reason() or self.stop_reason(
                 f"cannot start the language server: {exc}"
             )
+            await self.stop()
             raise LinkError(reason) from exc
         except LinkError:
             await self.stop()
             raise
+
+    async def _exit_reason(self) -> str | None:
+        """Why the child went away, once it has (a broken pipe says less than its exit)."""
+        if self.lost_reason or self.process is None:
+            return self.lost_reason
+        with contextlib.suppress(TimeoutError):
+            code = await asyncio.wait_for(self.process.wait(), timeout=2)
+            return self.stop_reason(f"the language server exited with code {code}")
+        return None
 
     async def _unless_stopped(self, awaitable: Any) -> Any:
         """Await `awaitable`, or return None as soon as the connection is gone."""
@@ -202,11 +211,12 @@ class ServerLink:
         try:
             done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # A request the caller stops waiting for stays pending: cancelling its future
+            # makes pygls fail on the late answer.
             stopped.cancel()
-            if not task.done():
-                task.cancel()
         if task in done:
             return task.result()
+        task.cancel()  # the connection is gone; no answer will come
         with contextlib.suppress(BaseException):
             await task
         return None
@@ -292,8 +302,10 @@ class ServerLink:
         """Shut the server down politely, then firmly; safe to call more than once."""
         self._stopping = True
         if self.running:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.shutdown_async(None), timeout=2)
+            # Not wait_for: a cancelled request future breaks pygls when the answer lands late.
+            shutdown = asyncio.ensure_future(self.client.shutdown_async(None))
+            shutdown.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.wait([shutdown], timeout=2)
             with contextlib.suppress(Exception):
                 self.client.exit(None)
         process = self.process

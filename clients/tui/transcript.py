@@ -218,7 +218,7 @@ class ToolCard(Static, can_focus=True):
 
     def tick(self) -> None:
         self.frame += 1
-        self.update(self._content())
+        self.update(self._content(), layout=False)  # same size: skip the layout pass
 
     def finish(self, status: str, duration: float | None, result: str | None) -> None:
         self.status = status

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from lsprotocol import types as lsp
-from opencomposer.clients.tui.app import OpenComposerApp, ServerEvent, SessionView, short_model
+from opencomposer.clients.tui.app import OpenComposerApp, SessionView, short_model
 from opencomposer.clients.tui.edits import EditError, apply_text_edits, apply_workspace_edit
 from opencomposer.clients.tui.transcript import ToolCallFilter, ToolCard, clip, visible_text
 
@@ -101,35 +101,31 @@ async def test_megabyte_tool_result_reaches_a_card_quickly(tmp_path):
     async with app.run_test(size=(80, 30)) as pilot:
         app.session = SessionView(query="q")
         sid = {"session_id": "s1"}
-        app.post_message(ServerEvent({"type": "session_start", **sid}))
-        app.post_message(
-            ServerEvent(
-                {
-                    "type": "tool_start",
-                    "turn": 1,
-                    "call_id": "c1",
-                    "name": "grep",
-                    "args": {"pattern": "x"},
-                    **sid,
-                }
-            )
+        app.server_event({"type": "session_start", **sid})
+        app.server_event(
+            {
+                "type": "tool_start",
+                "turn": 1,
+                "call_id": "c1",
+                "name": "grep",
+                "args": {"pattern": "x"},
+                **sid,
+            }
         )
         await pilot.pause(0.1)
         t0 = time.monotonic()
         big = "match\n" * 180_000
-        app.post_message(
-            ServerEvent(
-                {
-                    "type": "tool_end",
-                    "turn": 1,
-                    "call_id": "c1",
-                    "name": "grep",
-                    "status": "ok",
-                    "duration_s": 0.1,
-                    "result": big,
-                    **sid,
-                }
-            )
+        app.server_event(
+            {
+                "type": "tool_end",
+                "turn": 1,
+                "call_id": "c1",
+                "name": "grep",
+                "status": "ok",
+                "duration_s": 0.1,
+                "result": big,
+                **sid,
+            }
         )
         await pilot.pause(0.1)
         card = app.query_one(ToolCard)
