@@ -338,3 +338,14 @@ def test_gpu_backend_matches_emulation():
     got = mx.mx_mm(a, b, torch.float32, backend)
     ref = mx.mx_mm(a, b, torch.float32, "emulated")
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
+
+
+def test_blackwell_scale_swizzle_is_a_padded_permutation():
+    scales = torch.arange(130 * 6, dtype=torch.int32).view(130, 6)  # pads to 256 x 8
+    out = mx._to_blocked(scales)
+    assert out.numel() == 256 * 8
+    padded = torch.zeros(256, 8, dtype=torch.int32)
+    padded[:130, :6] = scales
+    assert torch.equal(out.sort().values, padded.flatten().sort().values)
+    assert out[:4].tolist() == [0, 1, 2, 3]  # row 0's four scales lead the first tile
+    assert out[4:8].tolist() == scales[32, :4].tolist()  # then row 32's (32x4x4 tiling)
