@@ -29,7 +29,13 @@ from opencomposer.tools import specs
 from opencomposer.tools.protocols import SandboxConfig, ToolContext
 from opencomposer.tools.sandbox import run_sandboxed
 from opencomposer.tools.workspace import LocalWorkspace
-from opencomposer.training.env import EnvConfig, EnvironmentServer, Workspaces
+from opencomposer.training.env import (
+    EnvConfig,
+    EnvironmentServer,
+    Workspaces,
+    mount_tmpfs,
+    remove_workspace,
+)
 from opencomposer.training.tasks import load_task, safe_extract, write_task
 
 
@@ -58,7 +64,9 @@ async def bench_creation(task, tmp: Path, repeats: int) -> None:
         t0 = time.perf_counter()
         safe_extract(task.repo_tar, tmp / "unpack" / str(i))
         unpack.append(time.perf_counter() - t0)
-    ws = Workspaces(tmp / "local", EnvConfig(pool_size=0))
+    (tmp / "local").mkdir()
+    mount_tmpfs(tmp / "local", 2048)  # as EnvironmentServer does with its root, where it may
+    ws = Workspaces(tmp / "local" / "ws", EnvConfig(pool_size=0))
     try:
         template = await ws.template(task)
         fresh = []
@@ -71,6 +79,7 @@ async def bench_creation(task, tmp: Path, repeats: int) -> None:
         mount = "workspaces on tmpfs" if ws.mount else "workspaces on disk"
     finally:
         await ws.aclose()
+        remove_workspace(tmp / "local")
     ws = Workspaces(tmp / "pooled", EnvConfig(pool_size=2))
     pooled = []
     try:
