@@ -233,11 +233,14 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-sync", action="store_true")
+    ap.add_argument("--only-sync", action="store_true", help="skip the straggler part")
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--metrics", type=Path, help="a run's metrics.jsonl: print its time split")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
-    out: dict = {"stragglers": asyncio.run(part_stragglers(args))}
+    out: dict = {}
+    if not args.only_sync:
+        out["stragglers"] = asyncio.run(part_stragglers(args))
     if not args.skip_sync:
         out["sync"] = asyncio.run(part_sync(args))
     if args.metrics:

@@ -73,6 +73,7 @@ class OptimSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 4
+    gradient_checkpointing: bool = False  # recompute activations: less memory, ~30% more time
 
 
 @dataclass(frozen=True, kw_only=True)

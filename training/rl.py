@@ -157,6 +157,7 @@ def trainer_config(cfg: TrainConfig) -> TrainerConfig:
         weight_decay=o.weight_decay,
         grad_clip=o.grad_clip,
         micro_batch_size=o.micro_batch_size,
+        gradient_checkpointing=o.gradient_checkpointing,
         precision=cfg.model.precision,
         loss=LossConfig(
             clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, aggregation=a.aggregation

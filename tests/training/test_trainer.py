@@ -98,3 +98,14 @@ def test_samples_mask_tool_results_and_merge_turns():
     assert [x.mask for x in s] == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1]]
     assert s[0].old_logprobs == [0, 0, -0.1, -0.2, 0, 0, -0.3]
     assert s[0].weight_version == 2 and s[0].advantage == 0.5
+
+
+def test_masked_position_logprobs_equal_the_full_forward():
+    tr = Trainer(tiny_llama(), TrainerConfig(precision="fp32"))
+    mb = next(tr._micro_batches(samples(3)))
+    lp, ent = tr._logprobs(tr.model, mb)
+    logits = tr.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits[:, :-1]
+    full = torch.log_softmax(logits.float(), -1).gather(-1, mb["ids"][:, 1:, None])[..., 0]
+    sel = mb["mask"] > 0
+    assert torch.allclose(lp[sel], full[sel], atol=1e-5)
+    assert torch.all(lp[~sel] == 0) and torch.all(ent[sel] > 0)
