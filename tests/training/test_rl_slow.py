@@ -30,7 +30,8 @@ max_completion_tokens = 48
 num_workers = 1
 [optim]
 lr = 1e-4
-micro_batch_size = 4
+micro_batch_size = 2
+gradient_checkpointing = true
 [run]
 steps = 2
 checkpoint_every = 1
