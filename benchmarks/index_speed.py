@@ -187,7 +187,8 @@ def bench_scale(n_chunks: int, reps: int, update: bool) -> None:
     db = index.db_path.stat().st_size
     print(f"{len(index)} chunks (target {n_chunks}): opened in {time.perf_counter() - t0:.1f} s; "
           f"memory {(rss1 - rss0) * 1024 * 1024 / max(1, len(index)):.0f} B/chunk RSS, "
-          f"{db / max(1, len(index)):.0f} B/chunk on disk")  # fmt: skip
+          f"{db / max(1, len(index)):.0f} B/chunk on disk; FAISS vectors {index._vectors.d * 4} B/chunk "
+          f"({type(index._vectors).__name__})")  # fmt: skip
     p50, p95 = latency(index, reps)
     print(f"  query latency: p50 {p50:.1f} ms, p95 {p95:.1f} ms ({reps * len(QUERIES)} queries, k=10)", flush=True)  # fmt: skip
     if not update:

@@ -128,6 +128,7 @@ CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, path TEXT NOT NULL,
     start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, symbol TEXT NOT NULL,
     scope TEXT NOT NULL, text TEXT NOT NULL, vkey TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS chunks_path ON chunks(path);
+CREATE INDEX IF NOT EXISTS chunks_vkey ON chunks(vkey);
 CREATE TABLE IF NOT EXISTS vectors (vkey TEXT PRIMARY KEY, vec BLOB NOT NULL);
 CREATE VIRTUAL TABLE IF NOT EXISTS lex USING fts5(names, body, tokenize="{FTS_TOKENIZER}");
 """
@@ -151,6 +152,7 @@ class CodebaseIndex:
         self._vectors: Any = None  # faiss index
         self._tree = Tree.build({})
         self._query_cache: dict[str, np.ndarray] = {}
+        self._orphans: set[str] = set()
 
     # -- life cycle ------------------------------------------------------------
 
@@ -498,9 +500,15 @@ class CodebaseIndex:
                 self._vectors.add_with_ids(all_vecs, np.array(new_ids, dtype=np.int64))
             done += len(items)
             batch, batch_chunks = [], 0
-        if removed or files:
+        if self._orphans:
+            # Vectors no chunk uses any more; only the keys of deleted rows are candidates.
             with db:
-                db.execute("DELETE FROM vectors WHERE vkey NOT IN (SELECT vkey FROM chunks)")
+                db.executemany(
+                    "DELETE FROM vectors WHERE vkey = ? AND NOT EXISTS"
+                    " (SELECT 1 FROM chunks WHERE chunks.vkey = vectors.vkey)",
+                    [(k,) for k in self._orphans],
+                )
+            self._orphans.clear()
         if self.progress and total:
             self.progress("embed", total, total)
         return embedded, embed_s
@@ -538,9 +546,11 @@ class CodebaseIndex:
         return np.concatenate(out)
 
     def _delete_path_rows(self, path: str) -> None:
-        ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE path = ?", (path,))]
-        if not ids:
+        rows = self.db.execute("SELECT id, vkey FROM chunks WHERE path = ?", (path,)).fetchall()
+        if not rows:
             return
+        ids = [r[0] for r in rows]
+        self._orphans.update(r[1] for r in rows)
         self.db.executemany("DELETE FROM lex WHERE rowid = ?", [(i,) for i in ids])
         self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
         self._vectors.remove_ids(np.array(ids, dtype=np.int64))

@@ -212,3 +212,12 @@ def test_two_indexers_at_once(workspace: Path, embedder_env: Path) -> None:
     n_chunks = con.execute("SELECT count(*) FROM chunks").fetchone()[0]
     n_lex = con.execute("SELECT count(*) FROM lex").fetchone()[0]
     assert n_chunks == n_lex == len(index) and str(n_chunks) in counts.pop()
+
+
+def test_unused_vectors_are_collected(workspace: Path, embedder_env: Path) -> None:
+    index = build(workspace)
+    (workspace / "src/parse.py").unlink()
+    index.refresh()
+    con = sqlite3.connect(workspace / ".opencomposer/index/index.db")
+    used = con.execute("SELECT count(DISTINCT vkey) FROM chunks").fetchone()[0]
+    assert con.execute("SELECT count(*) FROM vectors").fetchone()[0] == used
