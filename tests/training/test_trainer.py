@@ -109,3 +109,22 @@ def test_masked_position_logprobs_equal_the_full_forward():
     sel = mb["mask"] > 0
     assert torch.allclose(lp[sel], full[sel], atol=1e-5)
     assert torch.all(lp[~sel] == 0) and torch.all(ent[sel] > 0)
+
+
+def test_mxfp8_precision_trains_through_the_kernels():
+    tr = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="mxfp8"))
+    stats = tr.step(samples())
+    assert stats["skipped"] == 0 and math.isfinite(stats["loss"]) and tr.version == 1
+
+
+def test_upcycled_moe_model_trains(tmp_path):
+    from opencomposer.training.upcycle import upcycle
+
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    folder = upcycle(tmp_path / "dense", tmp_path / "moe", num_experts=4, top_k=2)
+    tr = Trainer.from_pretrained(folder, TrainerConfig(lr=1e-2, precision="fp32"))
+    assert "Mixtral" in type(tr.model).__name__
+    before = params(tr.model)
+    assert tr.step(samples())["skipped"] == 0
+    after = params(tr.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before if "experts" in k)
