@@ -7,7 +7,9 @@ APT_PACKAGES := bubblewrap ripgrep neovim git
 
 .PHONY: setup system-deps demo test test-slow lint format bench vsix clean
 
-setup: system-deps $(STAMP)
+NODE_STAMP := clients/vscode/node_modules/.package-lock.json
+
+setup: system-deps $(STAMP) $(NODE_STAMP)
 
 system-deps:
 	@missing=""; \
@@ -32,8 +34,14 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
+# The VS Code extension's node dependencies, for its unit tests (skipped without npm).
+$(NODE_STAMP): clients/vscode/package-lock.json
+	@if command -v npm >/dev/null; then \
+	  cd clients/vscode && npm ci --silent --no-audit --no-fund; \
+	else echo "npm not found: the VS Code extension tests will be skipped"; fi
+
 demo: setup
-	$(PY) examples/demo.py
+	$(PY) examples/demo_lsp.py
 
 test: setup
 	$(PY) -m pytest -q
