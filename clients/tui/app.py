@@ -116,6 +116,7 @@ class OpenComposerApp(App[int]):
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+f", "search", "Search"),
         Binding("ctrl+o", "sessions", "Sessions"),
+        Binding("ctrl+n", "next_edit", "Next edit"),
         Binding("ctrl+g", "undo", "Undo edits"),
         Binding("ctrl+r", "restart", "Restart server"),
         Binding("ctrl+l", "log", "Log", show=False),
@@ -186,6 +187,11 @@ class OpenComposerApp(App[int]):
             "Sessions", "Browse traces, submit as training query (ctrl+o)", self.action_sessions
         )
         yield SystemCommand("Cancel session", "Stop the running session (esc)", self.action_cancel)
+        yield SystemCommand(
+            "Next edit",
+            "Focus the next edit to accept (a) or reject (r) (ctrl+n)",
+            self.action_next_edit,
+        )
         yield SystemCommand(
             "Undo session edits", "Revert every edit of the last session (ctrl+g)", self.action_undo
         )
@@ -558,6 +564,19 @@ class OpenComposerApp(App[int]):
             await self.link.command("opencomposer.cancel", argument)
         except LinkError as exc:
             self.notify(str(exc), severity="error", markup=False)
+
+    def action_next_edit(self) -> None:
+        """Focus the next edit still waiting for accept (a) or reject (r)."""
+        pending = [d for d in self.query(DiffEntry) if d.state == "pending"]
+        if not pending:
+            self.notify("No edit is waiting for a decision.")
+            return
+        after = [
+            d for d in pending if self.focused is not None and d.region.y > self.focused.region.y
+        ]
+        target = (after or pending)[0]
+        target.focus()
+        self.query_one("#transcript", VerticalScroll).scroll_to_widget(target, animate=False)
 
     def action_search(self) -> None:
         if not self.connected:
