@@ -146,7 +146,7 @@ async def bench_tool_overhead(server: EnvironmentServer, task, tmp: Path, repeat
 
 async def bench_concurrency(server: EnvironmentServer, task, tmp: Path, n: int = 8) -> None:
     turns = [
-        '<read_file path="calc.py"/>\n<grep pattern="add" glob="*.py"/>',
+        '<read_file path="calc.py"/>\n<grep pattern="def add" glob="*.py"/>',
         "<run_terminal>\n<command>python test_calc.py; sleep 1</command>\n</run_terminal>",
         '<edit_file path="calc.py">\n<old>return a - b</old>\n<new>return a + b</new>\n</edit_file>',
         "Fixed.",
@@ -182,8 +182,15 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="oc-bench-env-") as tmp_s:
         tmp = Path(tmp_s)
         repo = make_repo(tmp / "repo")
+        # a 120 s episode limit: a stuck tool shows up as a timeout, not a stalled benchmark
         task = load_task(
-            write_task(tmp / "task", query="fix add", verify="python test_calc.py", repo_dir=repo)
+            write_task(
+                tmp / "task",
+                query="fix add",
+                verify="python test_calc.py",
+                repo_dir=repo,
+                timeout_s=120,
+            )
         )
         print(f"repo.tar: {task.repo_tar.stat().st_size / 1e6:.1f} MB")
         await bench_creation(task, tmp, ns.repeats)
