@@ -13,7 +13,9 @@ Three runs of the same keystrokes, in this order:
 3. real server: `opencomposer.server.lsp` with a `scripted:` model streaming as fast
    as it paces (≈50 deltas/s plus tool events).
 
-The target is a p95 under 50 ms in run 2. Figures are printed, never asserted.
+The target is a p95 under 50 ms in run 2. Figures are printed, never asserted;
+"events/s" is the rate the app actually received during the keystrokes, and keys
+not on screen within 5 s are counted apart (they are not in the percentiles).
 
     .venv/bin/python benchmarks/tui.py [--keys 150] [--rate 200]
 """
@@ -221,11 +223,14 @@ def main() -> int:
         print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
     base = rows[0][1]["p50"]
     print(f"keystroke to screen, {args.keys} keys each (ms)")
-    print(f"{'run':34} {'events/s':>9} {'p50':>7} {'p95':>7} {'max':>7} {'p50 vs idle':>12}")
+    print(
+        f"{'run':34} {'events/s':>9} {'p50':>7} {'p95':>7} {'max':>7} {'p50 vs idle':>12}"
+        f" {'not shown in 5 s':>17}"
+    )
     for name, r in rows:
         print(
             f"{name:34} {r['events_per_s']:9.0f} {r['p50']:7.1f} {r['p95']:7.1f} {r['max']:7.1f}"
-            f" {r['p50'] / base:11.2f}x"
+            f" {r['p50'] / base:11.2f}x {r['misses']:17d}"
         )
     target = rows[1][1]["p95"]
     print(
