@@ -659,6 +659,8 @@ class CodebaseIndex:
     def dense_search(self, query: str, *, n: int, allowed: np.ndarray | None = None) -> list[int]:
         import faiss
 
+        if n <= 0 or not self._meta:
+            return []
         qv = self._query_vector(query[:4000])
         params = None
         if allowed is not None:

@@ -103,6 +103,7 @@ def test_empty_workspace_and_odd_queries(tmp_path: Path, embedder_env: Path) -> 
     index = build(tmp_path)
     assert len(index) == 0
     assert index.search("anything") == []
+    assert index.dense_search("anything", n=5) == [] and index.lexical_search("anything", n=5) == []
     (tmp_path / "a.py").write_text("def alpha():\n    return 1\n")
     index.refresh()
     assert index.search("") == []
