@@ -24,8 +24,9 @@ MODEL_END = "model_end"
 MESSAGE = "message"
 SESSION_END = "session_end"
 
-# Fields each event carries beyond `type` and `t` (model_delta is an extra for live
-# views: streamed text as it arrives; consumers that do not know it ignore it).
+# Fields each event carries beyond `type` and `t`. Extras for live views, which other
+# consumers ignore: model_delta (streamed text as it arrives), tool_end's `output`
+# (the result, cut at head and tail) and edit's `call_id`.
 FIELDS: dict[str, tuple[str, ...]] = {
     SESSION_START: ("session_id", "workspace", "model"),
     MODEL_START: ("turn",),

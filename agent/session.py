@@ -31,6 +31,7 @@ from opencomposer.agent.protocols import Message, Model, ModelError, Sampling, T
 from opencomposer.agent.traces import TraceStore
 from opencomposer.agent.xmlcalls import StreamParser
 from opencomposer.tools import specs
+from opencomposer.tools.output import cap
 from opencomposer.tools.protocols import Edit, Index, SandboxConfig, ToolContext, Workspace
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 Policy = Literal["none", "safe", "all"]
 Approver = Callable[[str, dict[str, Any]], Awaitable[Approval]]
 POLICIES: tuple[str, ...] = ("none", "safe", "all")
+_EVENT_OUTPUT_LIMIT = 4_000  # characters of a tool result that live views get in tool_end
 _CHILDREN = {s.name: s.child_names for s in specs.SPECS}
 _BARE = {
     s.name: kids[0].name for s in specs.SPECS if len(kids := [p for p in s.params if p.child]) == 1
@@ -287,6 +289,7 @@ class Session:
             name=rec.name,
             status=result.status,
             duration_s=rec.duration_s,
+            output=cap(result.output, _EVENT_OUTPUT_LIMIT),
         )
         if self.traces:
             self.traces.write_call(
