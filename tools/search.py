@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ GREP_MAX_SHOWN = 200
 GREP_MAX_COUNTED = 50_000  # stop reading matches past this; say "more than"
 GREP_LINE_CHARS = 300
 GREP_MAX_FILESIZE = 4 * 1024 * 1024
+GREP_TIMEOUT_S = 30.0
 GLOB_MAX_SHOWN = 500
 SEARCH_PREVIEW_LINES = 6
 
@@ -176,20 +178,40 @@ async def _grep_rg(
     args += ["-e", pattern]
     if key != ".":
         args.append(key)
-    proc = await asyncio.create_subprocess_exec(
-        *args,
+    return await asyncio.to_thread(_run_rg, args, root, pattern, skip)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    # os.kill, not proc.kill(): Popen.send_signal polls first and can reap the child
+    # out from under a concurrent wait.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+
+
+def _run_rg(args: list[str], root: Path, pattern: str, skip: set[str]) -> tuple[list[Match], int]:
+    """Read rg's matches in a worker thread, stopping early past GREP_MAX_COUNTED.
+
+    A plain Popen in a thread, not an asyncio subprocess: the asyncio child watcher
+    can lose a child's exit to another reaper in the process (Ray, the sandbox) and
+    then never resolve, and a line longer than a StreamReader's limit raises. A timer
+    kills a search that runs past GREP_TIMEOUT_S.
+    """
+    proc = subprocess.Popen(
+        args,
         cwd=str(root),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
+    timer = threading.Timer(GREP_TIMEOUT_S, _kill, (proc,))
+    timer.start()
     shown: list[Match] = []
     total = 0
-    stopped = False
     assert proc.stdout is not None and proc.stderr is not None
     try:
-        async for raw in proc.stdout:
-            name, _, rest = raw.partition(b"\0")
+        for raw in proc.stdout:
+            name, _, rest = raw.rstrip(b"\n").partition(b"\0")
             path = name.decode("utf-8", "replace")
             if path in skip:
                 continue
@@ -198,16 +220,20 @@ async def _grep_rg(
             if len(shown) < GREP_MAX_SHOWN:
                 shown.append((path, int(line_no or 0), text.decode("utf-8", "replace")))
             if total >= GREP_MAX_COUNTED:
-                stopped = True
                 break
     finally:
-        # Not proc.kill(): Popen.send_signal polls first, which can reap the child
-        # under asyncio's watcher thread and lose its exit status.
-        if stopped or proc.returncode is None and not proc.stdout.at_eof():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-        err = (await proc.stderr.read()).decode("utf-8", "replace")
-        code = await proc.wait()
+        timed_out = not timer.is_alive()  # the timer fired and killed rg
+        timer.cancel()
+        if proc.poll() is None:
+            _kill(proc)
+        err = proc.stderr.read().decode("utf-8", "replace")
+        proc.stdout.close()
+        proc.stderr.close()
+        code = proc.wait()
+    if timed_out and code < 0 and total == 0:
+        raise ToolError(
+            f"grep for {pattern!r} took over {GREP_TIMEOUT_S:.0f} s; narrow the path or the pattern"
+        )
     if code == 2 and total == 0 and err.strip():
         first = " ".join(err.split())
         raise ToolError(f"invalid regular expression {pattern!r}: {first}")
