@@ -83,7 +83,8 @@ SandboxMode = Literal["read-only", "workspace-write", "off"]
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
     mode: SandboxMode = "workspace-write"
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # a command's limit when the call names none
+    max_timeout_s: float = 3600.0  # the most a call's timeout_s may ask for
     memory_mb: int = 4096
     max_processes: int = 256
     output_limit: int = 30_000

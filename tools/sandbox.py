@@ -45,6 +45,7 @@ import re
 import resource
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -126,6 +127,12 @@ def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:
     Sandboxed, caches go to the private /tmp: the home folder is read-only there.
     """
     env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
+    if sys.prefix != sys.base_prefix:
+        # Started from a virtual environment (the project's, or opencomposer's own):
+        # its tools (python, pytest) come first, as in a shell where it is active.
+        venv_bin = str(Path(sys.executable).parent)
+        path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
+        env["PATH"] = os.pathsep.join([venv_bin, *path])
     env.update(TERM="dumb", PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     env.setdefault("LANG", "C.UTF-8")
     if mode != "off":

@@ -219,8 +219,9 @@ async def run_terminal(
     if not command.strip():
         raise ToolError("run_terminal command is empty")
     limit = ctx.sandbox.timeout_s if timeout_s is None else timeout_s
-    if not 0 < limit <= MAX_TIMEOUT_S:
-        raise ToolError(f"timeout_s must be between 0 and {MAX_TIMEOUT_S:g}, got {limit:g}")
+    most = min(MAX_TIMEOUT_S, ctx.sandbox.max_timeout_s)
+    if not 0 < limit <= most:
+        raise ToolError(f"timeout_s must be between 0 and {most:g}, got {limit:g}")
     result = await run_sandboxed(
         command, root=Path(ctx.workspace.root), config=ctx.sandbox, timeout_s=limit
     )

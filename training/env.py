@@ -141,6 +141,7 @@ def sandbox_config(task: Task, config: EnvConfig) -> SandboxConfig:
     return SandboxConfig(
         mode="workspace-write",
         timeout_s=task.command_timeout_s,
+        max_timeout_s=task.command_timeout_s,
         memory_mb=config.memory_mb,
         max_processes=config.max_processes,
     )
