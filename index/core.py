@@ -670,7 +670,14 @@ class CodebaseIndex:
                 if isinstance(self._vectors, faiss.IndexIVF)
                 else faiss.SearchParameters(sel=sel)
             )
-        _, ids = self._vectors.search(qv, min(n, len(self._meta)), params=params)
+        # One query: OpenMP threads only wait on each other (measured at 112k vectors on a
+        # busy 2-core machine: 16 ms on one thread, 100 ms on two).
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)
+        try:
+            _, ids = self._vectors.search(qv, min(n, len(self._meta)), params=params)
+        finally:
+            faiss.omp_set_num_threads(threads)
         return [int(i) for i in ids[0] if i >= 0]
 
     def _query_vector(self, query: str) -> np.ndarray:
