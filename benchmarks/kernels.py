@@ -164,7 +164,7 @@ def bench_moe() -> None:
 def bench_train(steps: int) -> None:
     from opencomposer.kernels.tiny import TrainConfig, train
 
-    text = b"".join(p.read_bytes() for p in sorted(ROOT.glob("*/*.py")))
+    text = b"".join(p.read_bytes() for p in sorted(ROOT.glob("kernels/*.py")))
     print(f"Tiny MoE LM (8 experts, top-2), {steps} steps on {len(text) // 1000} kB of source")
     runs = {}
     for precision in ("bf16", "mxfp8"):

@@ -48,9 +48,9 @@ class TinyMoELM(nn.Module):
 
     @dataclass(frozen=True, kw_only=True)
     class Config:
-        dim: int = 128
-        heads: int = 4
-        hidden: int = 256
+        dim: int = 64
+        heads: int = 2
+        hidden: int = 128
         layers: int = 2
         experts: int = 8
         top_k: int = 2
@@ -80,7 +80,7 @@ class TinyMoELM(nn.Module):
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 200
-    batch: int = 16
+    batch: int = 8
     lr: float = 3e-3
     warmup: int = 20
     aux_coef: float = 0.01
