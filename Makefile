@@ -43,8 +43,10 @@ $(NODE_STAMP): clients/vscode/package-lock.json
 demo: setup
 	$(PY) examples/demo_lsp.py
 
+# One OpenMP thread per process: the suite runs many processes (servers, Ray, engines)
+# on few cores, where torch's spinning thread pools slow everything down.
 test: setup
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
