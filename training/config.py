@@ -48,8 +48,7 @@ class RolloutSection:
     extra_per_group: int = 0
     max_staleness: int = 1
     episode_timeout_s: float = 180.0
-    workers: Literal["local", "ray"] = "local"  # ray: episodes on Ray actors (remote samplers)
-    num_workers: int = 4
+    num_workers: int = 2  # environment-server Ray actors (workspaces, setup, verify)
     max_turns: int = 4
     max_tokens: int = 256  # per turn
     max_completion_tokens: int = 1024  # per episode
