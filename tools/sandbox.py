@@ -114,11 +114,22 @@ def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
         "--dev", "/dev",
         "--proc", "/proc",
         "--size", str(config.memory_mb * 1024 * 1024), "--tmpfs", "/tmp",
+        *_under_tmp_binds(root),
         bind, str(root), str(root),
         "--chdir", str(root),
         "--",
     ]  # fmt: skip
     return argv + shell
+
+
+def _under_tmp_binds(root: Path) -> list[str]:
+    """Read-only binds for the running interpreter's environment when it lives under
+    /tmp, which the private /tmp would otherwise hide (a checkout built in /tmp)."""
+    prefix = Path(sys.prefix).resolve()
+    tmp = Path("/tmp")
+    if tmp not in prefix.parents or prefix == root or root in prefix.parents:
+        return []
+    return ["--ro-bind", str(prefix), str(prefix)]
 
 
 def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:

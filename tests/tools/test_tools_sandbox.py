@@ -128,10 +128,14 @@ async def test_fork_bomb_is_bounded_and_killed(root: Path) -> None:
     r = await run_sandboxed(":(){ :|:& };:; sleep 30", root=root, config=cfg(max_processes=64))
     assert r.killed_reason == "process limit"
     assert time.monotonic() - start < 10
-    await asyncio.sleep(0.2)
-    assert not [
-        d for d in Path("/sys/fs/cgroup/pids").glob(f"{sandbox.CGROUP_PREFIX}{os.getpid()}-*")
-    ]
+    # The cgroup is removed in the background once the tree is gone (up to ~2 s).
+    left: list[Path] = []
+    for _ in range(50):
+        left = list(Path("/sys/fs/cgroup/pids").glob(f"{sandbox.CGROUP_PREFIX}{os.getpid()}-*"))
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    assert not left
 
 
 async def test_process_watchdog_without_cgroups(
