@@ -124,6 +124,8 @@ async def test_fork_bomb_is_bounded_and_killed(root: Path) -> None:
     if probe is None:
         pytest.skip("no pids cgroup here: a real fork bomb would be bounded only by the watchdog")
     probe.remove()
+    mine = f"{sandbox.CGROUP_PREFIX}{os.getpid()}-*"
+    before = set(Path("/sys/fs/cgroup/pids").glob(mine))  # left by earlier runs, swept later
     start = time.monotonic()
     r = await run_sandboxed(":(){ :|:& };:; sleep 30", root=root, config=cfg(max_processes=64))
     assert r.killed_reason == "process limit"
@@ -131,7 +133,7 @@ async def test_fork_bomb_is_bounded_and_killed(root: Path) -> None:
     # The cgroup is removed in the background once the tree is gone (up to ~2 s).
     left: list[Path] = []
     for _ in range(50):
-        left = list(Path("/sys/fs/cgroup/pids").glob(f"{sandbox.CGROUP_PREFIX}{os.getpid()}-*"))
+        left = sorted(set(Path("/sys/fs/cgroup/pids").glob(mine)) - before)
         if not left:
             break
         await asyncio.sleep(0.1)
