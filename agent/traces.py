@@ -58,36 +58,23 @@ def home() -> Path:
 def git_state(root: Path) -> tuple[str | None, str]:
     """HEAD and the uncommitted diff (untracked text files included as new files)."""
 
-    def git(*args: str) -> str | None:
+    def git(*args: str, ok: tuple[int, ...] = (0,)) -> str | None:
         try:
             out = subprocess.run(
                 ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
             )
         except (OSError, subprocess.TimeoutExpired):
             return None
-        return out.stdout if out.returncode == 0 else None
+        return out.stdout if out.returncode in ok else None
 
     head = git("rev-parse", "HEAD")
     if head is None:
         return None, ""
     diff = git("diff", "--binary", "HEAD") or ""
     for rel in (git("ls-files", "--others", "--exclude-standard") or "").splitlines()[:200]:
-        diff += _new_file_diff(root, rel)
+        # `diff --no-index` exits 1 when the files differ, as a new file always does.
+        diff += git("diff", "--no-index", "--binary", "/dev/null", rel, ok=(0, 1)) or ""
     return head.strip(), diff
-
-
-def _new_file_diff(root: Path, rel: str) -> str:
-    # `git diff --no-index` exits 1 when files differ, which git() reads as failure.
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "diff", "--no-index", "--binary", "/dev/null", rel],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
 
 
 class TraceStore:

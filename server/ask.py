@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -123,6 +122,7 @@ def ask(
     from opencomposer.agent.backends import make_model
     from opencomposer.agent.session import Session, SessionConfig
     from opencomposer.agent.traces import TraceStore
+    from opencomposer.server.indexes import IndexHandle
     from opencomposer.tools.protocols import SandboxConfig
     from opencomposer.tools.workspace import LocalWorkspace
 
@@ -153,7 +153,7 @@ def ask(
             on_event=view,
             approver=approver if interactive else None,
             traces=traces,
-            index_factory=_index_factory(root),
+            index_factory=IndexHandle(root).get,
         )
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, session.cancel)
@@ -172,30 +172,3 @@ def ask(
         return 0 if result.status == "completed" else 1
 
     return asyncio.run(main())
-
-
-def _index_factory(root: Path):  # type: ignore[no-untyped-def]
-    """Opens (and refreshes) the codebase index on the first codebase_search."""
-    cache: dict[str, Any] = {}
-    lock = asyncio.Lock()
-
-    async def factory() -> Any:
-        async with lock:
-            if "index" not in cache:
-                from opencomposer.index import CodebaseIndex
-
-                def build() -> Any:
-                    idx = CodebaseIndex.open(root)
-                    idx.refresh()
-                    return idx
-
-                cache["index"] = await asyncio.to_thread(build)
-            return cache["index"]
-
-    return factory
-
-
-if os.environ.get("OPENCOMPOSER_DEBUG"):
-    import logging
-
-    logging.basicConfig(level=logging.DEBUG)

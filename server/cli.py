@@ -7,6 +7,7 @@ stays fast. A user mistake ends in one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if os.environ.get("OPENCOMPOSER_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG)
     try:
         return args.fn(args)
     except UsageError as e:
