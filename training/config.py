@@ -55,6 +55,9 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     approve: Literal["none", "safe", "all"] = "all"
+    # the system prompt's style, as the production agent picks it: "auto" = what the
+    # model backend asks for (the embedded SmolLM2 asks for "compact"), else "full"
+    prompt_style: Literal["auto", "full", "compact"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +89,17 @@ class RunSection:
 
 @dataclass(frozen=True, kw_only=True)
 class SftSection:
-    """Supervised warm start: on accepted traces (``--sft``) or on rejection samples."""
+    """Supervised warm start: on accepted traces (``--sft``) or on rejection samples.
 
-    source: Literal["traces", "rejection"] = "traces"
-    warmup_rounds: int = 0  # RL runs: rejection-sampling SFT rounds before the first RL step
+    ``source``: "traces" — the accepted traces of a trace store (``traces_db``,
+    default ``$OPENCOMPOSER_HOME/traces.db``); "demos" — first record accepted
+    demonstrations of the training tasks that ship a ``solution.json``
+    (``training/demos.py``) into ``traces_db`` (default ``<run>/demos.db``), then
+    the same; "rejection" — the policy's own rollouts with reward >= ``min_reward``."""
+
+    source: Literal["traces", "demos", "rejection"] = "traces"
+    traces_db: str = ""
+    warmup_rounds: int = 0  # RL runs: SFT rounds before the first RL step (0: none)
     min_reward: float = 1.0  # rejection sampling: keep rollouts at least this good
     samples_per_task: int = 4  # rejection sampling: attempts per training task
     epochs: int = 2

@@ -178,12 +178,35 @@ def make_sampler(cfg: TrainConfig, folder: Path) -> VersionedModel:
     return VersionedModel(inner, ModuleReceiver(lambda: inner._model))
 
 
-def session_config(cfg: TrainConfig, *, temperature: float | None = None) -> Any:
+def with_prompt_style(scfg: Any, style: str | None) -> Any:
+    """``scfg`` with ``prompt_style`` set (when the agent core's SessionConfig has it)."""
+    if style is None or "prompt_style" not in {f.name for f in dataclasses.fields(scfg)}:
+        return scfg
+    return dataclasses.replace(scfg, prompt_style=style)
+
+
+def resolve_prompt_style(cfg: TrainConfig, sampler: Any) -> str:
+    """The system-prompt style of every session of the run (rollouts, evals, demos):
+    ``rollout.prompt_style``, or for "auto" what the sampler's backend asks for, as
+    the production agent decides it (the model's ``prompt_style``, else "full")."""
+    style = cfg.rollout.prompt_style
+    if style != "auto":
+        return style
+    for m in (sampler, getattr(sampler, "inner", None)):
+        value = getattr(m, "prompt_style", None)
+        if isinstance(value, str) and value in ("full", "compact"):
+            return value
+    return "full"
+
+
+def session_config(
+    cfg: TrainConfig, *, temperature: float | None = None, prompt_style: str | None = None
+) -> Any:
     from opencomposer.agent.protocols import Sampling
     from opencomposer.agent.session import SessionConfig
 
     r = cfg.rollout
-    return SessionConfig(
+    scfg = SessionConfig(
         approve=r.approve,
         max_turns=r.max_turns,
         max_completion_tokens=r.max_completion_tokens,
@@ -194,6 +217,7 @@ def session_config(cfg: TrainConfig, *, temperature: float | None = None) -> Any
         ),
         emit_deltas=False,
     )
+    return with_prompt_style(scfg, prompt_style or r.prompt_style)
 
 
 # -- the loop -------------------------------------------------------------------------
@@ -210,13 +234,17 @@ class Run:
     episode: Callable[[Any, Any], Any]  # async (task, session_config) -> Rollout
     tasks: Sequence[Any]
     heldout: Sequence[Any] = ()
+    prompt_style: str | None = None  # resolved once (resolve_prompt_style); None: the config's
+    env: Any = None  # the EnvironmentServer (demonstrations run on it)
 
 
 async def evaluate(run: Run, *, samples: int) -> dict[str, float]:
     """Mean reward and resolve rate on the held-out tasks under the current weights."""
     if not run.heldout:
         return {}
-    cfg = session_config(run.config, temperature=run.config.tasks.eval_temperature)
+    cfg = session_config(
+        run.config, temperature=run.config.tasks.eval_temperature, prompt_style=run.prompt_style
+    )
     rollouts = await asyncio.gather(
         *(run.episode(t, cfg) for t in run.heldout for _ in range(samples))
     )
@@ -225,13 +253,21 @@ async def evaluate(run: Run, *, samples: int) -> dict[str, float]:
 
 
 async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Progress) -> None:
-    """Rejection-sampling rounds before RL: SFT on the policy's own good rollouts."""
-    from opencomposer.training.sft import collect_rejection_samples, fit
+    """Supervised rounds before RL (``[sft] warmup_rounds``): on accepted traces
+    (``source`` = "traces"/"demos": the same samples each round) or on the policy's
+    own good rollouts (``"rejection"``: sampled afresh each round)."""
+    from opencomposer.training.sft import collect_rejection_samples, fit, trace_samples
 
     cfg = run.config
+    traces = None
     for round_ in range(1, cfg.sft.warmup_rounds + 1):
         t0 = time.perf_counter()
-        data, rollouts = await collect_rejection_samples(run)
+        rollouts: list[Rollout] = []
+        if cfg.sft.source == "rejection":
+            data, rollouts = await collect_rejection_samples(run)
+        else:
+            traces = traces or await trace_samples(run)
+            data = traces
         t1 = time.perf_counter()
         stats = []
         if data.samples:
@@ -249,21 +285,30 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
         m: dict[str, Any] = {
             "step": 0,
             "phase": f"warmup{round_}",
+            "time": time.time(),
+            "sft_source": cfg.sft.source,
             "weight_version": run.trainer.version,
             "sft_examples": len(data.samples),
             "sft_sessions": data.sessions_used,
+            "sft_steps": len(stats),
+            "sft_tokens": sum(sum(s.mask) for s in data.samples[: cfg.sft.max_examples]),
             "loss": _mean([s.get("loss") or 0.0 for s in stats]),
+            "loss_last": stats[-1].get("loss") if stats else None,
             "rollout_s": t1 - t0,
             "train_s": t2 - t1,
             "sync_s": res.seconds,
         }
-        m.update(rollout_summary(rollouts))
+        if rollouts:
+            m.update(rollout_summary(rollouts))
         if run.heldout:
+            t3 = time.perf_counter()
             m.update(await evaluate(run, samples=cfg.tasks.eval_samples))
+            m["eval_s"] = time.perf_counter() - t3
         log.write(m)
         progress.note(
-            f"warm start {round_}: reward {m['reward_mean']:.3f} on {len(rollouts)} rollouts, "
-            f"{len(data.samples)} samples kept, held-out {m.get('heldout_reward', float('nan')):.3f}"
+            f"warm start {round_} ({cfg.sft.source}): {len(data.samples)} samples, "
+            f"{len(stats)} steps, loss {m['loss']:.3f}, "
+            f"held-out {m.get('heldout_reward', float('nan')):.3f}"
         )
 
 
@@ -292,7 +337,7 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
         )
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     tasks = _Counter(task_cycle(run.tasks, seed=cfg.run.seed, skip=cursor), cursor)
-    scfg = session_config(cfg)
+    scfg = session_config(cfg, prompt_style=run.prompt_style)
     r = cfg.rollout
 
     async def episode(task: Any, group: int, index: int) -> Rollout:
@@ -318,13 +363,17 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
     try:
         if start_step == 0 and not warmed:
             if run.heldout:
+                t3 = time.perf_counter()
                 ev = await evaluate(run, samples=cfg.tasks.eval_samples)
                 log.write(
                     {
                         "step": 0,
                         "phase": "baseline",
+                        "time": time.time(),
                         "weight_version": run.trainer.version,
+                        "prompt_style": run.prompt_style,
                         "reward_mean": None,
+                        "eval_s": time.perf_counter() - t3,
                         **ev,
                     }
                 )
@@ -352,7 +401,9 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
                 and cfg.tasks.eval_every
                 and (step % cfg.tasks.eval_every == 0 or step == steps)
             ):
+                t3 = time.perf_counter()
                 extra.update(await evaluate(run, samples=cfg.tasks.eval_samples))
+                extra["eval_s"] = time.perf_counter() - t3
             m = step_metrics(
                 step=step,
                 weight_version=run.trainer.version,
@@ -408,6 +459,8 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         episode=episode,
         tasks=tasks,
         heldout=heldout,
+        prompt_style=resolve_prompt_style(cfg, sampler),
+        env=env,
     )
     try:
         if sft:

@@ -3,10 +3,18 @@
 ``opencomposer train --config FILE --sft`` is the usual first step before RL on a
 user's own sessions: every trace in ``$OPENCOMPOSER_HOME/traces.db`` that ended
 ``completed`` and whose edits the user accepted (at least one ``accept``, no
-``reject``/``undo``) becomes token-exact samples — the turns' recorded prompt and
-completion ids, the loss on completion tokens only (tool results masked), exactly
-like RL samples with a constant advantage of 1. Traces whose token ids were
-withheld (redacted secrets) or never recorded are skipped and counted.
+``reject``/``undo``), or that was marked ``meta.accepted`` (an answer-only session,
+a demonstration: ``training/demos.py``), becomes samples — the turns' recorded
+prompt and completion ids, the loss on completion tokens only (tool results
+masked), exactly like RL samples with a constant advantage of 1.
+
+Turns recorded without token ids (a ``scripted:`` or API backend) are tokenized
+the way the sampler would see them (``TraceTokenizer``): the turn's recorded
+messages through the training model's chat template with the generation prompt
+(exactly ``ChatTokenizer.prompt_ids``, what the vLLM backend sends), and as the
+completion the assistant text followed by the end-of-turn token the sampler
+stops on, as the template renders it. Turns whose text was redacted are skipped
+(their recorded text is not what was said), and so is their session.
 
 Rejection sampling (``[sft] source = "rejection"``) builds the same samples from
 the policy's own rollouts that reached ``min_reward`` on training tasks; this is
@@ -18,9 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from opencomposer.training.rollouts import Rollout, Sample, samples_from_rollout, turn_from
+from opencomposer.training.rollouts import Rollout, Sample, Turn, samples_from_rollout, turn_from
 
 
 @dataclass(kw_only=True)
@@ -31,21 +40,74 @@ class SftData:
 
 
 def accepted(trace: dict[str, Any]) -> bool:
+    """Completed, and accepted: its edits accepted (none rejected or undone), or
+    marked ``meta.accepted`` (sessions without edits, demonstrations)."""
+    if trace.get("status") != "completed":
+        return False
     decisions = {e.get("decision") for e in trace.get("edits", [])}
-    return (
-        trace.get("status") == "completed"
-        and "accept" in decisions
-        and not decisions & {"reject", "undo"}
-    )
+    if decisions & {"reject", "undo"}:
+        return False
+    meta = trace.get("meta") or {}
+    if "accepted" in meta:
+        return bool(meta["accepted"])
+    return "accept" in decisions
 
 
-def samples_from_traces(traces: Iterable[dict[str, Any]]) -> SftData:
-    """Samples of every accepted trace (``TraceStore.export`` dicts)."""
+class TraceTokenizer:
+    """Token ids for trace turns recorded without them, as the sampler would see them.
+
+    ``prompt`` is the chat template over the turn's messages with the generation
+    prompt (``ChatTokenizer.prompt_ids``, what the vLLM backend feeds the engine);
+    ``completion`` is the assistant text plus the end-of-turn token, cut from the
+    template's rendering of the same conversation with the reply appended, so the
+    next turn's prompt extends prompt + completion and turns merge into one sample.
+    """
+
+    def __init__(self, path: Any) -> None:
+        from opencomposer.agent.backends._local import ChatTokenizer
+
+        self.chat = ChatTokenizer(path)
+
+    def turn(self, messages: list[dict[str, str]], text: str) -> Turn:
+        from opencomposer.agent.protocols import Message
+
+        msgs = [Message(role=m["role"], content=m["content"]) for m in messages]  # type: ignore[arg-type]
+        prompt = self.chat.prompt_ids(msgs)
+        tok = self.chat.hf
+        full_text = tok.apply_chat_template(
+            [m.as_dict() for m in msgs] + [{"role": "assistant", "content": text}],
+            tokenize=False,
+            add_generation_prompt=False,
+        )
+        full = list(tok(full_text, add_special_tokens=False)["input_ids"])
+        if full[: len(prompt)] != prompt:  # a template that rewrites earlier turns
+            completion = list(tok(text, add_special_tokens=False)["input_ids"])
+            end = sorted(self.chat.stop_ids())
+            completion += end[-1:]
+        else:
+            rest = full[len(prompt) :]
+            stops = self.chat.stop_ids()
+            n_text = len(tok(text, add_special_tokens=False)["input_ids"])
+            cut = next((i for i in range(n_text, len(rest)) if rest[i] in stops), len(rest) - 1)
+            completion = rest[: cut + 1]
+        return Turn(prompt_ids=prompt, completion_ids=completion, logprobs=[0.0] * len(completion))
+
+
+def samples_from_traces(
+    traces: Iterable[dict[str, Any]], *, tokenizer: TraceTokenizer | None = None
+) -> SftData:
+    """Samples of every accepted trace (``TraceStore.export`` dicts). Turns without
+    token ids are tokenized by ``tokenizer``; without one, such sessions are skipped."""
     data = SftData(samples=[])
     for tr in traces:
         if not accepted(tr):
             continue
-        turns = [turn_from(t) for t in tr.get("turns", [])]
+        turns: list[Turn | None] = []
+        for t in tr.get("turns", []):
+            turn = turn_from(t)
+            if turn is None and tokenizer is not None and not t.get("redacted"):
+                turn = tokenizer.turn(t.get("messages") or [], t.get("text") or "")
+            turns.append(turn)
         if not turns or any(t is None for t in turns):
             data.sessions_skipped += 1
             continue
@@ -55,12 +117,14 @@ def samples_from_traces(traces: Iterable[dict[str, Any]]) -> SftData:
     return data
 
 
-def load_accepted_traces(limit: int = 10_000) -> list[dict[str, Any]]:
+def load_accepted_traces(limit: int = 10_000, *, db: Any = None) -> list[dict[str, Any]]:
+    """Accepted traces of a trace store (default ``$OPENCOMPOSER_HOME/traces.db``)."""
     from opencomposer.agent.traces import TraceStore
 
-    store = TraceStore()
+    store = TraceStore(db)
     try:
-        return [store.export(s["session_id"]) for s in store.list_sessions(limit)]
+        traces = [store.export(s["session_id"]) for s in store.list_sessions(limit)]
+        return [t for t in traces if accepted(t)]
     finally:
         store.close()
 
@@ -77,6 +141,82 @@ def samples_from_rollouts(rollouts: Sequence[Rollout], *, min_reward: float) -> 
     return data
 
 
+def trace_db(run: Any) -> Path | None:
+    """The trace store the warm start reads: ``[sft] traces_db``; for demonstrations
+    ``<run>/demos.db`` by default; None: the user's store."""
+    cfg = run.config.sft
+    if cfg.traces_db:
+        return Path(cfg.traces_db).expanduser()
+    return Path(run.out) / "demos.db" if cfg.source == "demos" else None
+
+
+async def ensure_demos(run: Any, db: Path) -> Any:
+    """Record demonstrations of the run's training tasks into ``db`` (the ones not
+    recorded there yet in this prompt style), on the run's environment server."""
+    from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.config import ConfigError
+    from opencomposer.training.demos import DemoError, DemoStats, demo_session_config, record_demos
+
+    style = run.prompt_style or "full"
+    store = TraceStore(db)
+    try:
+        done = set()
+        for s in store.list_sessions(100_000):
+            meta = (store.get(s["session_id"]) or {}).get("meta") or {}
+            if meta.get("source") == "demo" and meta.get("prompt_style") == style:
+                done.add(meta.get("task_id"))
+        todo = [t for t in run.tasks if t.id not in done]
+        if not todo:
+            return DemoStats()
+        if run.env is None:
+            raise ConfigError('[sft] source = "demos" needs the environment server')
+        try:
+            return await record_demos(
+                todo,
+                env=run.env,
+                store=store,
+                session_config=demo_session_config(prompt_style=style),
+                meta={"prompt_style": style},
+            )
+        except DemoError as e:
+            raise ConfigError(str(e)) from None
+    finally:
+        store.close()
+
+
+async def trace_samples(run: Any) -> SftData:
+    """SFT samples of the accepted traces the warm start reads (``[sft] source`` =
+    "traces" or "demos"), tokenized with the training model's tokenizer where a
+    turn has no token ids. Demonstrations count only in the run's prompt style."""
+    import asyncio
+
+    from opencomposer.training.config import ConfigError
+
+    cfg = run.config.sft
+    db = trace_db(run)
+    if cfg.source == "demos":
+        stats = await ensure_demos(run, db)
+        if stats.recorded:
+            print(
+                f"demonstrations: {stats.accepted}/{stats.recorded} accepted"
+                + (f" (not resolved: {', '.join(sorted(stats.failed))})" if stats.failed else ""),
+                flush=True,
+            )
+    traces = await asyncio.to_thread(load_accepted_traces, db=db)
+    if cfg.source == "demos":
+        style = run.prompt_style or "full"
+        traces = [t for t in traces if (t.get("meta") or {}).get("prompt_style") == style]
+    source_dir = getattr(run.trainer, "source_dir", None)
+    tokenizer = TraceTokenizer(source_dir) if source_dir is not None else None
+    data = await asyncio.to_thread(samples_from_traces, traces, tokenizer=tokenizer)
+    if not data.samples:
+        raise ConfigError(
+            f"no accepted traces to fine-tune on in {db or 'the trace store'} "
+            '(accept an agent\'s edits first, or use [sft] source = "demos" or "rejection")'
+        )
+    return data
+
+
 async def collect_rejection_samples(run: Any) -> tuple[SftData, list[Rollout]]:
     """Roll out every training task ``samples_per_task`` times; keep the good ones."""
     import asyncio
@@ -84,7 +224,7 @@ async def collect_rejection_samples(run: Any) -> tuple[SftData, list[Rollout]]:
     from opencomposer.training.rl import session_config
 
     cfg = run.config
-    scfg = session_config(cfg)
+    scfg = session_config(cfg, prompt_style=run.prompt_style)
     rollouts = await asyncio.gather(
         *(run.episode(t, scfg) for t in run.tasks for _ in range(cfg.sft.samples_per_task))
     )
@@ -133,13 +273,8 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
     log = MetricsLog(out / "metrics.jsonl")
     t0 = time.perf_counter()
     reward_mean = None
-    if cfg.source == "traces":
-        data = samples_from_traces(load_accepted_traces())
-        if not data.samples:
-            raise ConfigError(
-                "no accepted traces with token ids to fine-tune on "
-                '(accept an agent\'s edits first, or use [sft] source = "rejection")'
-            )
+    if cfg.source in ("traces", "demos"):
+        data = await trace_samples(run)
     else:
         data, rollouts = await collect_rejection_samples(run)
         reward_mean = sum(r.reward for r in rollouts) / max(1, len(rollouts))

@@ -147,6 +147,8 @@ class VersionedModel:
         self.inner = inner
         self.receiver = receiver if receiver is not None else inner  # type: ignore[assignment]
         self.name = inner.name
+        if hasattr(inner, "prompt_style"):  # the agent picks the system prompt by it
+            self.prompt_style = inner.prompt_style
         self.context_window = inner.context_window
         self.abort_in_flight = abort_in_flight
         self.version = int(getattr(self.receiver, "weight_version", 0) or 0)

@@ -1,0 +1,201 @@
+"""Demonstrations and the SFT warm start on accepted traces.
+
+The scripted demonstrations of the starter suite's *training* tasks go through the
+real environment server (Ray, bubblewrap), the production Session and a real
+TraceStore; held-out tasks are refused; accepted traces without token ids are
+tokenized exactly as the sampler is prompted (the chat template over the
+recorded messages), with the loss on the assistant's tokens only.
+
+    .venv/bin/python -m pytest tests/training/test_rl_demos.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+from opencomposer.agent.protocols import Message
+from opencomposer.agent.traces import TraceStore
+from opencomposer.training import starter
+from opencomposer.training.config import ConfigError, parse_config
+from opencomposer.training.demos import (
+    DemoError,
+    demo_turns,
+    line_edits,
+    load_solution,
+    record_demos,
+    renamed_word,
+)
+from opencomposer.training.rl import resolve_prompt_style, session_config, with_prompt_style
+from opencomposer.training.sft import TraceTokenizer, accepted, samples_from_traces
+from opencomposer.training.tasks import load_suite, load_task
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    root = tmp_path_factory.mktemp("starter")
+    starter.generate(root, seed=5, per_kind=6)
+    return load_suite(root)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from opencomposer.agent.backends.smollm2 import smollm2_path
+
+    return TraceTokenizer(smollm2_path())
+
+
+def by_kind(tasks, kind, split="train"):
+    return next(t for t in tasks if t.id.startswith(kind) and t.split == split)
+
+
+def test_demo_turns_look_then_act_then_answer(suite):
+    find = by_kind(suite, "find")
+    sol = load_solution(find)
+    key, _, value = sol["answer"].partition(" is ")
+    assert demo_turns(find, sol) == [
+        f'Let me search for {key}.\n<grep pattern="{key}"/>',
+        sol["answer"],
+    ]
+    fix = by_kind(suite, "fix")
+    sol = load_solution(fix)
+    (edit,) = sol["edits"]
+    look, act, answer = demo_turns(fix, sol)
+    assert look.endswith(f'<read_file path="{edit["path"]}"/>') and edit["path"] in fix.query
+    assert f"<old>{edit['old']}</old>" in act and f"<new>{edit['new']}</new>" in act
+    assert answer == "Fixed."
+    rename = by_kind(suite, "rename")
+    sol = load_solution(rename)
+    look, act, answer = demo_turns(rename, sol)
+    old = rename.query.split("`")[1]
+    assert look.endswith(f'<grep pattern="{old}"/>')
+    assert act.count('replace_all="true"') == 3 and act.count(f"<old>{old}</old>") == 3
+
+
+def test_line_edits_are_small_and_unique():
+    old = "a = 1\nb = 2\nc = 1\n"
+    new = "a = 1\nb = 3\nc = 1\n"
+    assert line_edits("x", old, new) == [("b = 2", "b = 3")]
+    # a changed line that is not unique grows until it is
+    old = "x = 0\ny = 1\nx = 0\nz = 2\n"
+    new = "x = 0\ny = 1\nx = 9\nz = 2\n"
+    ((o, n),) = line_edits("x", old, new)
+    assert old.count(o) == 1 and old.replace(o, n) == new
+    assert renamed_word("f(x)\ng = f\n", "h(x)\ng = h\n") == ("f", "h")
+    assert renamed_word("a - b", "b - a") is None
+
+
+def test_held_out_solutions_are_never_read(suite):
+    held = by_kind(suite, "find", split="heldout")
+    with pytest.raises(DemoError, match="held out"):
+        load_solution(held)
+    train = [t for t in suite if t.split == "train"][:2]
+    # refused before anything runs: no environment, no store needed
+    with pytest.raises(DemoError, match="held out"):
+        asyncio.run(record_demos(train + [held], env=None, store=None, session_config=None))
+
+
+def test_accepted_by_decision_or_mark():
+    assert accepted({"status": "completed", "edits": [{"decision": "accept"}]})
+    assert accepted({"status": "completed", "edits": [], "meta": {"accepted": True}})
+    assert not accepted({"status": "completed", "edits": [], "meta": {"accepted": False}})
+    assert not accepted({"status": "completed", "edits": [], "meta": {}})
+    assert not accepted(
+        {"status": "completed", "edits": [{"decision": "reject"}], "meta": {"accepted": True}}
+    )
+    assert not accepted({"status": "error", "edits": [], "meta": {"accepted": True}})
+
+
+def test_trace_tokenizer_matches_the_sampler_prompt(tokenizer):
+    msgs = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Rename `f`."},
+    ]
+    text = 'Let me look.\n<grep pattern="f"/>'
+    t1 = tokenizer.turn(msgs, text)
+    sampler_prompt = tokenizer.chat.prompt_ids([Message(**m) for m in msgs])
+    assert t1.prompt_ids == sampler_prompt
+    hf = tokenizer.chat.hf
+    assert hf.decode(t1.completion_ids) == text + "<|im_end|>"
+    msgs2 = msgs + [
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": '<tool_result name="grep">a.py:1:f</tool_result>'},
+    ]
+    t2 = tokenizer.turn(msgs2, "Done.")
+    # the next prompt extends prompt + completion: the turns merge into one sample
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.completion_ids)] == (
+        t1.prompt_ids + t1.completion_ids
+    )
+
+
+def test_prompt_style_setting():
+    cfg = parse_config({"rollout": {"prompt_style": "compact"}})
+    assert resolve_prompt_style(cfg, object()) == "compact"
+    auto = parse_config({})
+    assert auto.rollout.prompt_style == "auto"
+
+    class Compact:
+        prompt_style = "compact"
+
+    class Wrapped:
+        inner = Compact()
+
+    assert resolve_prompt_style(auto, Compact()) == "compact"
+    assert resolve_prompt_style(auto, Wrapped()) == "compact"
+    assert resolve_prompt_style(auto, object()) == "full"
+    with pytest.raises(ConfigError, match="prompt_style"):
+        parse_config({"rollout": {"prompt_style": "tiny"}})
+    scfg = session_config(cfg, prompt_style="compact")
+    if hasattr(scfg, "prompt_style"):  # the agent core's setting
+        assert scfg.prompt_style == "compact"
+        assert with_prompt_style(scfg, "full").prompt_style == "full"
+    assert parse_config({"sft": {"source": "demos"}}).sft.source == "demos"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_demos_through_the_real_session_become_assistant_only_samples(
+    suite, tokenizer, tmp_path
+):
+    from opencomposer.training.demos import demo_session_config
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+
+    tasks = [by_kind(suite, k) for k in ("find", "fix", "rename")]
+    store = TraceStore(tmp_path / "demos.db")
+
+    async def go():
+        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
+        try:
+            await env.start()
+            return await record_demos(
+                tasks,
+                env=env,
+                store=store,
+                session_config=demo_session_config(prompt_style="compact"),
+                meta={"prompt_style": "compact"},
+            )
+        finally:
+            await env.close()
+
+    stats = asyncio.run(go())
+    assert stats.accepted == stats.recorded == 3 and not stats.failed
+    traces = [store.export(s) for s in stats.session_ids]
+    store.close()
+    for tr in traces:
+        assert accepted(tr) and tr["meta"]["source"] == "demo"
+        assert tr["meta"]["prompt_style"] == "compact"
+        assert all(e["decision"] == "accept" for e in tr["edits"])
+        assert tr["turns"][0]["prompt_token_ids"] is None  # scripted: no ids recorded
+    data = samples_from_traces(traces, tokenizer=tokenizer)
+    assert data.sessions_used == 3 and len(data.samples) == 3  # turns merged per session
+    hf = tokenizer.chat.hf
+    for tr, s in zip(traces, data.samples, strict=True):
+        # the loss covers exactly the assistant's turns, each ended by <|im_end|>
+        trained = hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
+        assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"])
+        # and every turn's prompt is what the sampler is given for those messages
+        for t in tr["turns"]:
+            p = tokenizer.chat.prompt_ids([Message(**m) for m in t["messages"]])
+            assert s.input_ids[: len(p)] == p
+    # no held-out task was touched
+    assert all(load_task(t.dir).split == "train" for t in tasks)
