@@ -154,9 +154,7 @@ def test_prompt_style_setting():
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
-def test_demos_through_the_real_session_become_assistant_only_samples(
-    suite, tokenizer, tmp_path
-):
+def test_demos_through_the_real_session_become_assistant_only_samples(suite, tokenizer, tmp_path):
     from opencomposer.training.demos import demo_session_config
     from opencomposer.training.env import EnvConfig, EnvironmentServer
 
