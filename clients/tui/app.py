@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -43,8 +44,11 @@ from textual.screen import Screen
 from textual.widget import AwaitMount
 from textual.widgets import Footer, Static
 
-FLUSH_INTERVAL_S = 1 / 12
-SPIN_INTERVAL_S = 0.1
+# One timer paces everything the transcript animates: server events are drawn, streamed
+# text is flushed and spinners advance together, once per tick. Between ticks the
+# transcript has nothing to repaint, so a key press costs one small frame; a tick costs
+# one bigger frame (and at most one layout pass), not one per event.
+TICK_INTERVAL_S = 0.1
 
 
 @dataclass(kw_only=True)
@@ -67,11 +71,12 @@ class SessionView:
     answered: bool = False
 
 
-class ServerEvents(Message):
-    """`opencomposer/event` notifications are waiting in `App.inbox`.
+class Tick(Message, bubble=False):
+    """Time to draw: the events waiting in `App.inbox`, streamed text, spinners.
 
-    Events arrive at hundreds a second while the model streams; one message per batch
-    (not per event) keeps key presses from queueing behind them.
+    Events arrive at hundreds a second while the model streams; they are drawn in one
+    batch per tick, on the `Transcript`'s own queue, so key presses (which go through
+    the app's queue to the prompt) never wait behind them.
     """
 
 
@@ -89,7 +94,7 @@ class ServerNote(Message):
         self.path = path
 
 
-class AskDone(Message):
+class AskDone(Message, bubble=False):
     """`opencomposer.ask` returned (`result`) or failed (`error`)."""
 
     def __init__(self, session: SessionView, result: dict[str, Any] | None, error: str | None):
@@ -99,8 +104,30 @@ class AskDone(Message):
         self.error = error
 
 
-class FlushStreams(Message):
-    """Time to move streamed text from the buffers to the screen."""
+class Transcript(VerticalScroll):
+    """The session's scrolling history, and the queue that draws it.
+
+    Ticks (server events, stream flushes, spinners) and the end of `ask` are handled
+    here, in this widget's message queue and in order, not in the app's: a key press
+    never waits behind a batch of events or a Markdown conversion.
+    """
+
+    _ticking = False
+
+    async def on_tick(self, message: Tick) -> None:
+        try:
+            await self.app.tick()  # type: ignore[attr-defined]
+        finally:
+            self._ticking = False
+
+    def post_tick(self) -> None:
+        """Post a `Tick` unless one is still waiting or running (ticks never pile up)."""
+        if not self._ticking:
+            self._ticking = True
+            self.post_message(Tick())
+
+    async def on_ask_done(self, message: AskDone) -> None:
+        await self.app.ask_done(message)  # type: ignore[attr-defined]
 
 
 class StatusLine(Static):
@@ -151,12 +178,11 @@ class OpenComposerApp(App[int]):
         self.queued: list[tuple[DiffEntry, str]] = []
         self._status_text = ""
         self.inbox: list[dict[str, Any]] = []
-        self._inbox_posted = False
 
     # -- layout -------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield VerticalScroll(id="transcript")
+        yield Transcript(id="transcript")
         yield Static("", id="banner")
         yield PromptBar(id="prompt-bar")
         yield StatusLine("", id="status")
@@ -164,12 +190,13 @@ class OpenComposerApp(App[int]):
 
     def on_mount(self) -> None:
         self.query_one("#banner").display = False
-        self.query_one("#transcript", VerticalScroll).anchor()
+        transcript = self.query_one(Transcript)
+        transcript.anchor()
+        self._transcript = transcript
         self.query_one(PromptInput).focus()
-        # Timer callbacks run in their own task; posting keeps every Markdown change
-        # on the message queue, ordered with the server's events.
-        self.set_interval(FLUSH_INTERVAL_S, lambda: self.post_message(FlushStreams()))
-        self.set_interval(SPIN_INTERVAL_S, self._tick)
+        # Timer callbacks run in their own task; posting keeps every transcript change
+        # on the transcript's queue, ordered with the end of `ask`.
+        self.set_interval(TICK_INTERVAL_S, transcript.post_tick)
         self.set_interval(1.0, self._refresh_status)
         self._load_files()
         self._refresh_status()
@@ -225,6 +252,7 @@ class OpenComposerApp(App[int]):
             return
         self.connected = True
         self._set_state("ready")
+        settle_heap()
 
     async def disconnect(self) -> None:
         link, self.link = self.link, None
@@ -257,19 +285,25 @@ class OpenComposerApp(App[int]):
     # -- LinkUI: called by the link on this loop -----------------------------------------
 
     def server_event(self, event: dict[str, Any]) -> None:
-        self.inbox.append(event)
-        if not self._inbox_posted:
-            self._inbox_posted = True
-            self.post_message(ServerEvents())
+        self.inbox.append(event)  # drawn on the next tick
 
-    async def on_server_events(self, message: ServerEvents) -> None:
-        self._inbox_posted = False
-        batch, self.inbox = self.inbox, []
+    async def tick(self) -> None:
+        """Draw what arrived since the last tick (runs on the transcript's queue)."""
         try:
-            for event in batch:
-                await self.handle_event(event)
+            # One frame for the whole tick, however many mounts it awaits.
+            with self.batch_update():
+                await self.drain_inbox()
+                await self._flush_streams()
+                self._spin()
         except NoMatches:  # the app is closing: its widgets are gone
             return
+
+    async def drain_inbox(self) -> None:
+        batch, self.inbox = self.inbox, []
+        for event in batch:
+            await self.handle_event(event)
+        if any(event.get("type") != "model_delta" for event in batch):
+            self._refresh_status()
 
     async def server_approval(self, message: str, actions: list[str]) -> str | None:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
@@ -357,11 +391,13 @@ class OpenComposerApp(App[int]):
                 raise LinkError("the language server is not running")
             result = await self.link.command("opencomposer.ask", argument)
         except LinkError as exc:
-            self.post_message(AskDone(session, None, str(exc)))
+            self._transcript.post_message(AskDone(session, None, str(exc)))
         else:
-            self.post_message(AskDone(session, result if isinstance(result, dict) else {}, None))
+            outcome = result if isinstance(result, dict) else {}
+            self._transcript.post_message(AskDone(session, outcome, None))
 
-    async def on_ask_done(self, message: AskDone) -> None:
+    async def ask_done(self, message: AskDone) -> None:
+        """`ask` returned; runs on the transcript's queue, after the session's events."""
         try:
             await self._ask_done(message)
         except NoMatches:  # the app is closing
@@ -369,6 +405,7 @@ class OpenComposerApp(App[int]):
 
     async def _ask_done(self, message: AskDone) -> None:
         session, result = message.session, message.result
+        await self.drain_inbox()  # the session's last events came before the answer
         await self._flush_streams()
         session.ended = session.ended or time.monotonic()
         if result is None:
@@ -423,6 +460,9 @@ class OpenComposerApp(App[int]):
                     event.get("duration_s"),
                     None if result is None else str(result),
                 )
+                group = card.parent
+                if isinstance(group, ToolGroup):
+                    group.fold_finished()
             if not any(c.status is None for c in session.cards.values()):
                 session.status = "thinking"
         elif kind == "edit":
@@ -437,8 +477,6 @@ class OpenComposerApp(App[int]):
                     "ok" if session.status in ("ok", "completed") else "warn",
                 )
             )
-        if kind != "model_delta":
-            self._refresh_status()
 
     def _summary(self, event: dict[str, Any]) -> str:
         parts = [f"session {event.get('status', 'ended')}"]
@@ -464,13 +502,13 @@ class OpenComposerApp(App[int]):
         (await self._assistant(session, turn)).filter.names.add(name)
         group = session.groups.get(turn)
         if group is None:
-            group = ToolGroup(turn)
+            group = ToolGroup(turn, self.show_timings)
             session.groups[turn] = group
             await self._mount(group)
-        card = ToolCard(str(event.get("call_id")), name, event.get("args"), self.show_timings)
+        card, replaced = group.start_call(str(event.get("call_id")), name, event.get("args"))
+        if replaced is not None:  # a folded card, reused: its old call has ended
+            session.cards.pop(replaced, None)
         session.cards[card.call_id] = card
-        await group.mount(card)
-        group.relayout()
         session.status = "running tools"
 
     async def _edit(self, session: SessionView, event: dict[str, Any]) -> None:
@@ -480,17 +518,14 @@ class OpenComposerApp(App[int]):
         await self._mount(entry)
 
     def _mount(self, widget) -> AwaitMount:
-        return self.query_one("#transcript", VerticalScroll).mount(widget)
-
-    async def on_flush_streams(self, message: FlushStreams) -> None:
-        await self._flush_streams()
+        return self._transcript.mount(widget)
 
     async def _flush_streams(self) -> None:
         if self.session is not None:
             for entry in list(self.session.assistant.values()):
                 await entry.flush()
 
-    def _tick(self) -> None:
+    def _spin(self) -> None:
         if self.session is None or not self.show_timings:
             return
         for card in self.session.cards.values():
@@ -634,6 +669,19 @@ class OpenComposerApp(App[int]):
         if text.plain != self._status_text:
             self._status_text = text.plain
             status.update(text, layout=False)  # one fixed-height line
+
+
+def settle_heap() -> None:
+    """Move every object alive now out of the garbage collector's sight (`gc.freeze`).
+
+    While events stream, the UI allocates fast (strips, segments, messages) and the
+    collector's full passes over the whole heap (imports, Textual, the LSP types) took
+    ~70 ms of CPU each, about once a second: a keystroke that landed behind one waited
+    for it. Called when the server is up and again when a session ends; later passes only
+    walk what was allocated since.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def short_model(spec: str) -> str:

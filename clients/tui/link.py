@@ -7,25 +7,32 @@ contract in `docs/lsp.md`: it applies `workspace/applyEdit` to disk, answers
 `$/progress`, `window/showDocument` and `window/logMessage` to it. Everything the UI
 sees arrives through the small `LinkUI` protocol, so the link is testable without
 Textual and the UI never touches pygls.
+
+The server's messages are read and parsed (JSON, pygls structuring) in a reader thread,
+not on the UI loop: while the model streams that is hundreds of messages a second. The
+thread hands them to the loop in batches, one callback per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import json
 import logging
 import os
+import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from lsprotocol import types as lsp
 from opencomposer.clients.tui.edits import EditError, apply_workspace_edit, uri_to_path
 from pygls.exceptions import JsonRpcException
-from pygls.io_ import run_async
 from pygls.lsp.client import LanguageClient
 from pygls.protocol import JsonRPCNotification, JsonRPCResponseMessage, default_converter
 
@@ -33,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 EVENT_NOTIFICATION = "opencomposer/event"
 INITIALIZE_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 class LinkError(Exception):
@@ -99,6 +107,10 @@ class ServerLink:
         self._stopping = False
         self._stopped = asyncio.Event()
         self.lost_reason: str | None = None
+        self._arrived: list[Any] = []  # parsed by the reader thread, not yet handled
+        self._arrived_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._socket: socket.socket | None = None
         self._register()
 
     # -- server to client -------------------------------------------------------------
@@ -225,19 +237,28 @@ class ServerLink:
         fd, log = tempfile.mkstemp(prefix="opencomposer-tui-server-", suffix=".log")
         self.stderr_path = Path(log)
         env = {**os.environ, **(self.config.env or {})}
-        with os.fdopen(fd, "wb") as stderr:
-            self.process = await asyncio.create_subprocess_exec(
-                *self.config.command,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                cwd=self.config.workspace,
-                env=env,
-                start_new_session=True,
-            )
-        assert self.process.stdin is not None and self.process.stdout is not None
+        # The child's stdout is a plain pipe that the reader thread reads with blocking
+        # calls; stdin stays an asyncio stream (pygls writes small requests to it).
+        out_r, out_w = os.pipe()
+        try:
+            with os.fdopen(fd, "wb") as stderr:
+                self.process = await asyncio.create_subprocess_exec(
+                    *self.config.command,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=out_w,
+                    stderr=stderr,
+                    cwd=self.config.workspace,
+                    env=env,
+                    start_new_session=True,
+                )
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
+        assert self.process.stdin is not None
         self.client.protocol.set_writer(self.process.stdin)
-        self._spawn(self._read(self.process.stdout))
+        self._start_reader(os.fdopen(out_r, "rb", buffering=1 << 16), closed=None)
         self._spawn(self._watch_child(self.process))
 
     async def _start_tcp(self, address: str) -> None:
@@ -245,22 +266,70 @@ class ServerLink:
         if not host or not port.isdigit():
             raise LinkError(f"--tcp wants HOST:PORT, got {address!r}")
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
+            sock = await asyncio.to_thread(
+                socket.create_connection, (host, int(port)), CONNECT_TIMEOUT_S
+            )
         except OSError as exc:
             raise LinkError(f"cannot connect to the language server at {address}: {exc}") from exc
-        self.client.protocol.set_writer(writer)
-        self._spawn(self._read(reader, closed=f"the connection to {address} closed"))
+        sock.settimeout(None)
+        self._socket = sock
+        self.client.protocol.set_writer(_SocketWriter(sock))
+        self._start_reader(sock.makefile("rb"), closed=f"the connection to {address} closed")
 
     def _spawn(self, coro: Any) -> None:
         self._tasks.append(asyncio.ensure_future(coro))
 
-    async def _read(self, reader: Any, closed: str | None = None) -> None:
-        stop = self.client._stop_event
-        await run_async(
-            stop_event=stop, reader=reader, protocol=self.client.protocol, logger=logger
+    def _start_reader(self, stream: BinaryIO, closed: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        # Callbacks from the thread run in the starter's context (Textual's active app).
+        context = contextvars.copy_context()
+        self._reader = threading.Thread(
+            target=self._read_frames,
+            args=(stream, loop, context, closed),
+            name="opencomposer-tui-reader",
+            daemon=True,
         )
-        if closed is not None:
-            self._connection_lost(closed)
+        self._reader.start()
+
+    def _read_frames(
+        self,
+        stream: BinaryIO,
+        loop: asyncio.AbstractEventLoop,
+        context: contextvars.Context,
+        closed: str | None,
+    ) -> None:
+        """Reader thread: LSP frames → parsed messages, handed to the loop in batches."""
+        protocol = self.client.protocol
+        try:
+            while (body := _read_frame(stream)) is not None:
+                try:
+                    message = json.loads(body, object_hook=protocol.structure_message)
+                except Exception:  # one bad message must not end the connection
+                    logger.exception("unreadable message from the language server")
+                    continue
+                with self._arrived_lock:
+                    self._arrived.append(message)
+                    first = len(self._arrived) == 1
+                if first:
+                    loop.call_soon_threadsafe(self._deliver, context=context)
+        except (OSError, ValueError, RuntimeError):  # closed under us, or the loop is gone
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+            if closed is not None:
+                with contextlib.suppress(RuntimeError):  # the loop already closed
+                    loop.call_soon_threadsafe(self._connection_lost, closed, context=context)
+
+    def _deliver(self) -> None:
+        """On the loop: handle every message the reader thread has parsed so far."""
+        with self._arrived_lock:
+            batch, self._arrived = self._arrived, []
+        for message in batch:
+            try:
+                self.client.protocol.handle_message(message)
+            except Exception:
+                logger.exception("could not handle a message from the language server")
 
     async def _watch_child(self, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
@@ -321,6 +390,10 @@ class ServerLink:
                 await process.wait()
         self._stopped.set()
         self.client._stop_event.set()
+        if self._socket is not None:
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
+            self._socket.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -373,3 +446,37 @@ class ServerLink:
         if not self.running and result is None:
             raise LinkError("the language server stopped")
         return _as_dict(result)
+
+
+def _read_frame(stream: BinaryIO) -> bytes | None:
+    """One LSP message body from `stream` (blocking), or None at the end of the stream."""
+    length: int | None = None
+    while True:
+        header = stream.readline()
+        if not header:
+            return None
+        if not header.strip():
+            if length is not None:
+                break
+            continue
+        name, _, value = header.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    body = stream.read(length)
+    if len(body) < length:
+        return None
+    return body
+
+
+class _SocketWriter:
+    """pygls' writer interface over a connected socket (requests are small)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()

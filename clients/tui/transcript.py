@@ -11,12 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import RenderableType
+from rich.markdown import Markdown as RichMarkdown
 from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
+from textual.geometry import Region, Size
 from textual.message import Message
+from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Button, Markdown, Static
 
@@ -164,8 +167,190 @@ class NoteEntry(Static):
         super().__init__(Text(text), classes=f"note {kind}")
 
 
-class AssistantEntry(Markdown):
-    """One assistant turn, streamed in as Markdown with tool-call XML cut out."""
+class OneLayout:
+    """Mixin for transcript widgets that never scroll: a size change costs one layout pass.
+
+    Textual stores a widget's new size in a reactive that asks for another layout pass,
+    so every widget that grows costs a second pass in the next frame. These widgets do
+    not scroll, so the first pass already placed everything; the second is skipped.
+    """
+
+    def _size_updated(
+        self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True
+    ) -> bool:
+        return super()._size_updated(  # type: ignore[misc]
+            size, virtual_size, container_size, layout=False
+        )
+
+
+class StreamView(OneLayout, Widget):
+    """The streaming part of an assistant turn: one widget, only its last block re-rendered.
+
+    Deltas arrive at hundreds a second. Textual's `Markdown.append` re-splits the whole
+    source and mounts a widget per block, so every flush grows the widget tree and the
+    screen's layout pass with it. Here the stream is split at blank lines outside code
+    fences; finished blocks are rendered once (Rich's Markdown) into cached strips and
+    only the open block is rendered again on a flush, and only its lines are repainted.
+    The height grows in steps of `HEIGHT_STEP` lines (blank until filled), so the screen
+    runs a layout pass every few lines of text, not on every flush. `AssistantEntry`
+    swaps it for full Markdown widgets when the message ends.
+    """
+
+    DEFAULT_CSS = """
+    StreamView {
+        height: auto;
+    }
+    """
+
+    MAX_OPEN = 3_000  # characters; a longer block is cut at a line (or word) end
+    HEIGHT_STEP = 6  # lines
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = ""
+        self._blocks: list[tuple[str, bool]] = []  # (source, blank line before)
+        self._open = ""
+        self._open_gap = False
+        self._lines: list[Strip] = []  # the finished blocks at `_width`
+        self._open_lines: list[Strip] = []
+        self._width = 0
+        self._dark: bool | None = None
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "theme", lambda _: self._invalidate(), init=False)
+
+    def _invalidate(self) -> None:
+        self._width = 0
+        self.refresh(layout=True)
+
+    def append(self, text: str) -> None:
+        """Add streamed text; renders what changed if the width is known."""
+        if not text:
+            return
+        self.source += text
+        self._open += text
+        finished = self._split()
+        if not self._width:
+            self.refresh(layout=True)
+            return
+        height, first = self.height_lines, len(self._lines)
+        for block, gap in finished:
+            self._lines.extend(self._block_lines(block, gap, bool(self._lines)))
+        self._open_lines = self._block_lines(self._open, self._open_gap, bool(self._lines))
+        if self.height_lines != height:
+            self.refresh(layout=True)
+        else:  # repaint the lines that changed, from the first new or open one
+            self.refresh(Region(0, first, self._width, height - first))
+
+    @property
+    def line_count(self) -> int:
+        return len(self._lines) + len(self._open_lines)
+
+    @property
+    def height_lines(self) -> int:
+        """The lines, rounded up to a whole `HEIGHT_STEP`."""
+        step = self.HEIGHT_STEP
+        return -(-self.line_count // step) * step
+
+    def _split(self) -> list[tuple[str, bool]]:
+        """Move the finished blocks at the start of `_open` to `_blocks`; return them."""
+        text, done = self._open, []
+        start = block_start = 0
+        fence: str | None = None
+        fence_line = ""
+        seen = False  # a non-blank line in the current block
+        gap = self._open_gap
+        while (nl := text.find("\n", start)) >= 0:
+            line = text[start:nl]
+            stripped = line.strip()
+            if fence is not None:
+                if stripped.startswith(fence):
+                    fence = None
+            elif stripped.startswith(("```", "~~~")):
+                fence, fence_line, seen = stripped[:3], line, True
+            elif not stripped:
+                if seen:
+                    done.append((text[block_start:start], gap))
+                    gap, seen = True, False
+                block_start = nl + 1
+            else:
+                seen = True
+            start = nl + 1
+        rest = text[block_start:]
+        if len(rest) > self.MAX_OPEN:
+            # One huge block (a long paragraph or code block): cut it so a flush never
+            # re-renders more than MAX_OPEN characters. The full Markdown at the end of
+            # the message joins it up again.
+            cut = rest.rfind("\n", 0, len(rest) - 1)
+            if cut <= 0:
+                cut = rest.rfind(" ")
+            if cut > 0:
+                head, rest = rest[:cut], rest[cut + 1 :]
+                if fence is not None:
+                    head += "\n" + fence
+                    rest = fence_line + "\n" + rest
+                done.append((head, gap))
+                gap = False
+        self._open, self._open_gap = rest, gap
+        self._blocks.extend(done)
+        return done
+
+    def _block_lines(self, source: str, gap: bool, after: bool) -> list[Strip]:
+        if not source.strip():
+            return []
+        lines = self._render(source, self._width)
+        return ([Strip.blank(0)] if gap and after else []) + lines
+
+    def _render(self, source: str, width: int) -> list[Strip]:
+        dark = self.app.current_theme.dark
+        markdown = RichMarkdown(
+            source,
+            code_theme="ansi_dark" if dark else "ansi_light",
+            hyperlinks=False,
+            inline_code_theme="ansi_dark" if dark else "ansi_light",
+        )
+        console = self.app.console
+        options = console.options.update(width=width, height=None, highlight=False)
+        lines = console.render_lines(markdown, options, pad=False)
+        strips = [Strip(line) for line in lines]
+        while strips and not strips[0].text.strip():
+            strips.pop(0)
+        while strips and not strips[-1].text.strip():
+            strips.pop()
+        return strips
+
+    def _ensure(self, width: int) -> None:
+        if width == self._width or width <= 0:
+            return
+        self._width = width
+        self._lines = []
+        for block, gap in self._blocks:
+            self._lines.extend(self._block_lines(block, gap, bool(self._lines)))
+        self._open_lines = self._block_lines(self._open, self._open_gap, bool(self._lines))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        self._ensure(width)
+        return self.height_lines
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        self._ensure(width)
+        style = self.rich_style
+        n = len(self._lines)
+        if y < n:
+            strip = self._lines[y]
+        elif y - n < len(self._open_lines):
+            strip = self._open_lines[y - n]
+        else:
+            return Strip.blank(width, style)
+        return strip.apply_style(style).crop_extend(0, width, style)
+
+
+class AssistantEntry(OneLayout, Markdown):
+    """One assistant turn: streamed into a `StreamView`, full Markdown once it ends.
+
+    Tool-call XML is cut from the prose (the timeline shows the calls).
+    """
 
     def __init__(self, turn: int) -> None:
         super().__init__("", classes="assistant")
@@ -173,6 +358,7 @@ class AssistantEntry(Markdown):
         self.filter = ToolCallFilter()
         self.shown = ""
         self._pending = ""
+        self._view: StreamView | None = None
         self.final = False
 
     def add(self, delta: str) -> None:
@@ -180,23 +366,44 @@ class AssistantEntry(Markdown):
         self._pending += self.filter.feed(delta)
 
     async def flush(self) -> None:
-        if self._pending and not self.final:
-            chunk, self._pending = self._pending, ""
-            self.shown += chunk
-            await self.append(chunk)
+        if not self._pending or self.final:
+            return
+        chunk, self._pending = self._pending, ""
+        self.shown += chunk
+        if self._view is None:
+            if not self.shown.strip():
+                return  # nothing visible yet (leading whitespace before a tool call)
+            self._view = StreamView()
+            await self.mount(self._view)
+            self._view.append(self.shown)
+        else:
+            self._view.append(chunk)
 
     async def finish(self, text: str) -> None:
-        """The whole message arrived: show exactly its prose."""
+        """The whole message arrived: show exactly its prose, as full Markdown."""
         self.final = True
         self._pending = ""
         final = visible_text(text, self.filter.names)
-        if final != self.shown.strip():
+        if final != self.shown.strip() or self._view is not None:
             self.shown = final
             await self.update(final)
+            if self._view is not None:  # no blocks were mounted (empty prose)
+                view, self._view = self._view, None
+                view.display = False
+                await view.remove()
         self.display = bool(final)
 
+    def mount_all(self, widgets, **kwargs):  # type: ignore[override]
+        # `Markdown.update` mounts its first blocks inside a batch update: hide the stream
+        # view in the same batch so no frame shows the text twice.
+        if self._view is not None:
+            view, self._view = self._view, None
+            view.display = False
+            view.remove()
+        return super().mount_all(widgets, **kwargs)
 
-class ToolCard(Static, can_focus=True):
+
+class ToolCard(OneLayout, Static, can_focus=True):
     """One tool call: spinner while it runs, then status and duration; Enter expands."""
 
     BINDINGS = [Binding("enter,space", "toggle", "Expand", show=True)]
@@ -212,8 +419,15 @@ class ToolCard(Static, can_focus=True):
         self.expanded = False
         self.frame = 0
         self.show_timings = show_timings
+        self.update(self._content(), layout=False)  # before mount: no second layout
 
-    def on_mount(self) -> None:
+    def reset(self, call_id: str, name: str, args: Any) -> None:
+        """Show another call (a folded card reused by `ToolGroup.start_call`)."""
+        self.call_id, self.name_, self.args = call_id, name, args
+        self.status = self.duration = self.result = None
+        self.expanded = False
+        self.frame = 0
+        self.set_classes("tool running")
         self.update(self._content())
 
     def tick(self) -> None:
@@ -221,13 +435,17 @@ class ToolCard(Static, can_focus=True):
         self.update(self._content(), layout=False)  # same size: skip the layout pass
 
     def finish(self, status: str, duration: float | None, result: str | None) -> None:
+        """The call ended. `result` should already be clipped (`clip`), off the UI loop."""
+        lines = self._content().plain.count("\n")
         self.status = status
         self.duration = duration
         if result is not None:
-            self.result = clip(result)
-        self.remove_class("running")
-        self.add_class("ok" if status == "ok" else "error")
-        self.update(self._content())
+            self.result = clip(result)  # a no-op when the caller clipped it already
+        # One class change, one restyle (remove + add would restyle twice).
+        state = "ok" if status == "ok" else "error"
+        self.set_classes(["tool", state, *(["expanded"] if self.expanded else [])])
+        content = self._content()
+        self.update(content, layout=content.plain.count("\n") != lines)
 
     def action_toggle(self) -> None:
         self.expanded = not self.expanded
@@ -265,38 +483,164 @@ def _args_text(args: Any) -> str:
     return "" if args is None else str(args)
 
 
-class ToolGroup(Grid):
-    """The calls of one assistant turn; calls that overlap in time sit side by side."""
+class ToolFold(OneLayout, Static, can_focus=True):
+    """Finished calls folded out of a busy turn: a one-line count; Enter lists them.
 
-    def __init__(self, turn: int) -> None:
+    A turn that makes hundreds of calls would otherwise keep hundreds of card widgets,
+    and every layout pass of the screen walks all of them.
+    """
+
+    BINDINGS = [Binding("enter,space", "toggle", "Expand", show=True)]
+
+    def __init__(self, show_timings: bool) -> None:
+        super().__init__(classes="tool fold")
+        self.show_timings = show_timings
+        self.rows: list[Text] = []
+        self.ok = 0
+        self.failed = 0
+        self.expanded = False
+        self.update(self._content(), layout=False)
+
+    def add(self, card: ToolCard) -> None:
+        ok = card.status == "ok"
+        self.ok += ok
+        self.failed += not ok
+        row = Text()
+        row.append("✓ " if ok else "✗ ", style="bold")
+        row.append(card.name_, style="bold")
+        args = short_args(card.args)
+        if args:
+            row.append(f"  {args}", style="dim")
+        dur = fmt_duration(card.duration, self.show_timings)
+        if dur:
+            row.append(f"  {dur}", style="dim")
+        first = (card.result or "").strip().split("\n", 1)[0][:120]
+        if first:
+            row.append(f"  → {first}", style="dim italic")
+        self.rows.append(row)
+
+    def refresh_content(self) -> None:
+        self.update(self._content(), layout=self.expanded)
+
+    def action_toggle(self) -> None:
+        self.expanded = not self.expanded
+        self.set_class(self.expanded, "expanded")
+        self.update(self._content())
+
+    def on_click(self) -> None:
+        self.action_toggle()
+
+    def _content(self) -> Text:
+        head = Text(no_wrap=not self.expanded, overflow="ellipsis")
+        head.append("▸ " if not self.expanded else "▾ ", style="bold")
+        head.append(f"{len(self.rows)} earlier calls", style="bold")
+        head.append(f" · {self.ok} ok", style="dim")
+        if self.failed:
+            head.append(f" · {self.failed} failed", style="dim")
+        for row in self.rows if self.expanded else ():
+            head.append("\n")
+            head.append_text(row)
+        return head
+
+
+class ToolGroup(OneLayout, Grid):
+    """The calls of one assistant turn; calls that overlap in time sit side by side.
+
+    At most `MAX_CARDS` cards show; older finished calls fold into one `ToolFold` row
+    at the top, so a turn with hundreds of calls keeps the layout small. A folded card
+    widget is hidden and reused for the next call (mounting a widget costs several
+    layout passes as it arrives; reusing one costs the single pass of the tick).
+    """
+
+    MAX_CARDS = 12
+
+    def __init__(self, turn: int, show_timings: bool = True) -> None:
         super().__init__(classes="tools")
         self.turn = turn
+        self.show_timings = show_timings
+        self.fold: ToolFold | None = None
+        self.columns = 1
 
     def on_resize(self) -> None:
         self.relayout()
 
+    def start_call(self, call_id: str, name: str, args: Any) -> tuple[ToolCard, str | None]:
+        """A card for a new call: a folded one reused, or a new one mounted.
+
+        Returns the card and the call id it showed before (None for a new card).
+        """
+        spare = next((c for c in self.children if isinstance(c, ToolCard) and not c.display), None)
+        if spare is None:
+            card = ToolCard(call_id, name, args, self.show_timings)
+            self.mount(card)
+            replaced = None
+        else:
+            card, replaced = spare, spare.call_id
+            card.reset(call_id, name, args)
+            if self.children[-1] is not card:
+                self.move_child(card, after=self.children[-1])
+            card.display = True
+        self.fold_finished()
+        self.relayout()
+        return card, replaced
+
+    def fold_finished(self) -> None:
+        """Fold the oldest finished cards, a whole grid row at a time.
+
+        Whole rows keep every other card in its column (same width, so its rendered
+        lines stay cached) and the group's height changes less often.
+        """
+        cards = [c for c in self.children if isinstance(c, ToolCard) and c.display]
+        excess = len(cards) - self.MAX_CARDS
+        if excess <= 0:
+            return
+        columns = max(1, self.columns)
+        count = -(-excess // columns) * columns
+        old = []
+        for card in cards[:count]:
+            if card.status is None or card.expanded or card.has_focus:
+                break
+            old.append(card)
+        if len(old) < count:
+            return  # the oldest row still has a running (or opened) call
+        if self.fold is None:
+            self.fold = ToolFold(self.show_timings)
+            self.mount(self.fold, before=0)
+        for card in old:
+            self.fold.add(card)
+            card.display = False  # hidden, kept for the next call
+        self.fold.refresh_content()
+
     def relayout(self) -> None:
-        n = len(self.children) or 1
+        n = sum(1 for c in self.children if isinstance(c, ToolCard) and c.display) or 1
         width = self.size.width or CARD_WIDTH
-        self.styles.grid_size_columns = max(1, min(n, width // CARD_WIDTH))
+        columns = max(1, min(n, width // CARD_WIDTH))
+        if columns != self.columns or self.styles.grid_size_columns != columns:
+            self.columns = columns
+            self.styles.grid_size_columns = columns
 
 
 class DiffView(Widget):
-    """A unified diff with syntax colours that follow the light or dark theme."""
+    """A unified diff with syntax colours that follow the light or dark theme.
+
+    The diff is clipped once, here; paints reuse it.
+    """
 
     def __init__(self, diff: str) -> None:
         super().__init__(classes="diff-body")
         self.diff = diff
+        self.shown = clip(diff, DIFF_LINES, 200_000)
+        self.lines = len(self.shown.splitlines()) or 1
 
     def on_mount(self) -> None:
         self.watch(self.app, "theme", lambda _: self.refresh(layout=True), init=False)
 
     def render(self) -> RenderableType:
         theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
-        return Syntax(clip(self.diff, DIFF_LINES, 200_000), "diff", theme=theme, word_wrap=True)
+        return Syntax(self.shown, "diff", theme=theme, word_wrap=True)
 
     def get_content_height(self, container, viewport, width: int) -> int:
-        return len(clip(self.diff, DIFF_LINES, 200_000).splitlines()) or 1
+        return self.lines
 
 
 class DiffEntry(Vertical, can_focus=True):
