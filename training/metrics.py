@@ -137,7 +137,47 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)
+    learning = plot_learning(rows, out_dir / "learning.png", plt)
+    if learning is not None:
+        written.append(learning)
     return written
+
+
+def plot_learning(rows: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path | None:
+    """Held-out reward against wall-clock minutes, each point labelled with what
+    produced the weights (before training, the warm start, RL step N), so the
+    share of the rise due to each phase is visible; training reward as a line."""
+    timed = [r for r in rows if r.get("time") is not None]
+    held = [r for r in timed if r.get("heldout_reward") is not None]
+    if not held:
+        return None
+    t0 = min(r["time"] for r in timed)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [(r["time"] - t0) / 60 for r in held]
+    ys = [r["heldout_reward"] for r in held]
+    ax.plot(xs, ys, marker="o", label="held-out mean reward")
+    for x, y, r in zip(xs, ys, held, strict=True):
+        phase = r.get("phase")
+        label = "base" if phase == "baseline" else "warm" if phase else f"{r['step']}"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 6), fontsize=7)
+    train = [r for r in timed if not r.get("phase") and r.get("reward_mean") is not None]
+    if train:
+        ax.plot(
+            [(r["time"] - t0) / 60 for r in train],
+            [r["reward_mean"] for r in train],
+            alpha=0.5,
+            label="training-rollout mean reward",
+        )
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("held-out reward: base → warm start → RL steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 class Progress:

@@ -16,10 +16,12 @@ one of the configured values reported, an edit that keeps the module valid,
 each file renamed), and the rest for `verify`. No check pays for doing nothing.
 
 Each task has a `split`: about one in five is `heldout` (chosen by a hash of the
-task id, so it is stable as the suite grows), for the RL loop's learning curve:
-`load_suite("starter:train")`, `load_suite("starter:heldout")`.
+task id, so it is stable as the suite grows; 17 of the default 72: 8 find, 4 fix,
+5 rename), for the RL loop's learning curve: `load_suite("starter:train")`,
+`load_suite("starter:heldout")`. Each task also has `solution.json` beside it; the
+warm start's demonstrations (`training/demos.py`) read it for training tasks only.
 
-    python -m opencomposer.training.starter OUT_DIR [--seed 0] [--per-kind 12]
+    python -m opencomposer.training.starter OUT_DIR [--seed 0] [--per-kind 24]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from opencomposer.training.tasks import ANSWER_FILE, write_task
 VERSION = 2
 SOLUTION = "solution.json"  # {"answer": str, "edits": [{"path", "old", "new"}]}
 DEFAULT_SEED = 0
-DEFAULT_PER_KIND = 12
+DEFAULT_PER_KIND = 24
 
 _NOUNS = [
     "price",

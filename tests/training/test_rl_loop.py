@@ -102,6 +102,7 @@ async def test_loop_writes_metrics_moves_versions_and_checkpoints(tmp_path):
         tmp_path / "checkpoints" / "step_3"
     ).is_dir()
     assert (tmp_path / "reward.png").stat().st_size > 0
+    assert (tmp_path / "learning.png").read_bytes()[:4] == b"\x89PNG"
 
 
 async def test_stopped_run_resumes_from_its_checkpoint(tmp_path):
@@ -182,3 +183,57 @@ async def test_rejection_sampling_warm_start_runs_before_rl_and_is_not_redone(tm
     await run_loop(run2, max_steps=2)
     phases = [r.get("phase") for r in lines(tmp_path)]
     assert phases.count("warmup1") == 1 and phases.count("baseline") == 1
+
+
+async def test_trace_warm_start_trains_on_accepted_traces_before_rl(tmp_path):
+    from opencomposer.agent.protocols import TurnOutput
+    from opencomposer.agent.traces import TraceStore
+
+    db = tmp_path / "traces.db"
+    store = TraceStore(db)
+    for sid, decision in (("good", "accept"), ("bad", "reject")):
+        store.start_session(sid, workspace=tmp_path, model="m", sampling={}, query="q")
+        out = TurnOutput(
+            text="x",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[5, 6, 7],
+            completion_logprobs=[0.0] * 3,
+        )
+        store.write_turn(sid, 1, messages=[], output=out, t_start=0, t_end=1)
+        store.write_edit(sid, 1, turn=1, call_id="c", path="a", before="", after="", diff="")
+        store.end_session(sid, status="completed", answer="", turns=1, tool_calls=1)
+        store.record_decision(sid, "*", decision)
+    store.close()
+    run = make_run(tmp_path / "run", steps=1)
+    run.config = parse_config(
+        {
+            "rollout": {"group_size": 2, "groups_per_step": 1, "max_inflight": 1},
+            "run": {"steps": 1, "checkpoint_every": 1, "progress": False},
+            "tasks": {"eval_every": 1, "eval_samples": 1},
+            "sft": {"source": "traces", "traces_db": str(db), "warmup_rounds": 1, "epochs": 3},
+        }
+    )
+    await run_loop(run)
+    rows = lines(tmp_path / "run")
+    assert [r.get("phase") for r in rows[:2]] == ["baseline", "warmup1"]
+    warm = rows[1]
+    assert warm["sft_examples"] == 1 and warm["sft_sessions"] == 1 and warm["sft_steps"] == 3
+    assert warm["weight_version"] == 3 and run.sampler.weight_version >= 3
+    assert "heldout_reward" in warm and warm["time"] >= rows[0]["time"]
+    assert rows[2]["step"] == 1
+
+
+async def test_trace_warm_start_without_accepted_traces_is_one_clear_error(tmp_path):
+    run = make_run(tmp_path, steps=1)
+    run.config = parse_config(
+        {
+            "run": {"steps": 1, "progress": False},
+            "sft": {
+                "source": "traces",
+                "traces_db": str(tmp_path / "empty.db"),
+                "warmup_rounds": 1,
+            },
+        }
+    )
+    with pytest.raises(ConfigError, match="no accepted traces"):
+        await run_loop(run)
