@@ -1,4 +1,15 @@
-"""The system prompt and the user message of a session, rendered from the tool specs."""
+"""The system prompt and the user message of a session, rendered from the tool specs.
+
+Two styles of system prompt:
+
+- `full` (~1,000 tokens): every parameter of every tool, with rules; for models
+  that can use the detail.
+- `compact` (~300 tokens): one line per tool, its example call and what it does;
+  for small models such as the embedded SmolLM2-135M, whose context is short and
+  whose every prompt token costs sampling and training time. A model folder can
+  ask for it (see `agent.backends.model_prompt_style`), and the RL loop trains
+  with the same style the production agent then uses.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +35,23 @@ Rules:
 """
 
 
-def system_prompt(specs: tuple[ToolSpec, ...] = SPECS) -> str:
+COMPACT = """You are opencomposer, a coding agent in the user's repository. Act by writing \
+tool calls as XML; independent calls in one reply run in parallel, and their results \
+come back in the next message. Read or search before you edit. Paths are relative to \
+the repository root. When the task is done, reply with a short answer and no tool call.
+
+Tools:
+{tools}
+"""
+
+STYLES = ("full", "compact")
+
+
+def system_prompt(specs: tuple[ToolSpec, ...] = SPECS, *, style: str = "full") -> str:
+    if style == "compact":
+        return COMPACT.format(tools=render_prompt(specs, compact=True))
+    if style != "full":
+        raise ValueError(f"unknown prompt style {style!r}: expected {' or '.join(STYLES)}")
     return SYSTEM.format(tools=render_prompt(specs))
 
 

@@ -57,6 +57,7 @@ class SessionConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     output_limit: int = 20_000  # characters of one tool result the model sees
     emit_deltas: bool = True  # model_delta events for live views
+    prompt_style: str = "auto"  # full | compact | auto (the model's `prompt_style`, else full)
 
 
 @dataclass(kw_only=True)
@@ -132,10 +133,18 @@ class Session:
 
     # -- public -----------------------------------------------------------------
 
+    @property
+    def prompt_style(self) -> str:
+        """The system-prompt style this session uses (see `agent.prompts`)."""
+        style = self.config.prompt_style
+        if style == "auto":
+            style = getattr(self.model, "prompt_style", None) or "full"
+        return style
+
     async def run(self, query: str, context: str | None = None) -> SessionResult:
         self._task = asyncio.current_task()
         self.messages = [
-            Message(role="system", content=system_prompt()),
+            Message(role="system", content=system_prompt(style=self.prompt_style)),
             Message(role="user", content=user_message(query, context)),
         ]
         if self.traces:

@@ -147,6 +147,15 @@ class ToolSpec:
         lines.append("Example:\n" + self.example)
         return "\n".join(lines)
 
+    def render_compact(self) -> str:
+        """One line for small models: the example call with child elements joined
+        onto it, then the first sentence of the summary."""
+        call = "".join(
+            line.strip() if line.startswith("<") else line for line in self.example.splitlines()
+        )
+        first = self.summary.split(". ")[0].rstrip(".")
+        return f"{call} — {first}."
+
 
 def _path_reads(args: Mapping[str, Any]) -> Footprint:
     return Footprint(reads=(args.get("path") or ALL,))
@@ -316,5 +325,7 @@ def get(name: str) -> ToolSpec:
         ) from None
 
 
-def render_prompt(specs: tuple[ToolSpec, ...] = SPECS) -> str:
+def render_prompt(specs: tuple[ToolSpec, ...] = SPECS, *, compact: bool = False) -> str:
+    if compact:
+        return "\n".join(s.render_compact() for s in specs)
     return "\n\n".join(s.render() for s in specs)

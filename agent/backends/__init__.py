@@ -13,6 +13,10 @@ the backend that needs them, and engines start on first use (or `await
 model.start()`), so building a model for `--help` or spec validation costs nothing.
 Extra keyword arguments go to the backend's constructor (e.g. `kv_cache_gib=2` for
 vLLM, `dtype="float32"` for hf).
+
+A local model says which system prompt it wants through `model.prompt_style`
+(`agent.prompts`): the embedded model takes the compact one, a folder takes what
+its `opencomposer.json` names (the trainer writes it), anything else the full one.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ def make_model(spec: str = DEFAULT_SPEC, **kw: Any) -> Model:
         from opencomposer.agent.backends.smollm2 import smollm2_path
 
         path = smollm2_path()
+        kw.setdefault("prompt_style", "compact")  # 135M parameters, 8k context
     elif Path(arg).expanduser().is_dir():
         path = Path(arg).expanduser().resolve()
     if kind == "hf":

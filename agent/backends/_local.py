@@ -28,6 +28,25 @@ def read_context_window(path: str | Path) -> int:
     return int(value) if value else DEFAULT_CONTEXT_WINDOW
 
 
+MODEL_SETTINGS = "opencomposer.json"  # {"prompt_style": "compact"} in a model folder
+
+
+def read_prompt_style(path: str | Path) -> str:
+    """The system-prompt style a model folder asks for (`opencomposer.json`, written
+    by the trainer beside the weights it saves); "full" when it says nothing."""
+    try:
+        settings = json.loads((Path(path) / MODEL_SETTINGS).read_text())
+    except (OSError, ValueError):
+        return "full"
+    style = settings.get("prompt_style") if isinstance(settings, dict) else None
+    return style if style in ("full", "compact") else "full"
+
+
+def write_prompt_style(path: str | Path, style: str) -> None:
+    """Record in a model folder the prompt style it was trained with."""
+    (Path(path) / MODEL_SETTINGS).write_text(json.dumps({"prompt_style": style}) + "\n")
+
+
 class ChatTokenizer:
     """A lazily loaded Hugging Face tokenizer with the model's chat template."""
 

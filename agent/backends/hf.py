@@ -26,7 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.backends._local import ChatTokenizer, check_fits, read_context_window
+from opencomposer.agent.backends._local import (
+    ChatTokenizer,
+    check_fits,
+    read_context_window,
+    read_prompt_style,
+)
 from opencomposer.agent.backends._stream import Emit, TaskStream
 from opencomposer.agent.protocols import Message, Sampling, TurnOutput
 
@@ -42,8 +47,10 @@ class HFModel:
         dtype: str = "float32",
         max_concurrency: int = 4,
         context_window: int | None = None,
+        prompt_style: str | None = None,
     ) -> None:
         self.path = str(path)
+        self.prompt_style = prompt_style or read_prompt_style(path)
         self.name = name or f"hf:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype

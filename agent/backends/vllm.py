@@ -52,7 +52,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.backends._local import ChatTokenizer, check_fits, read_context_window
+from opencomposer.agent.backends._local import (
+    ChatTokenizer,
+    check_fits,
+    read_context_window,
+    read_prompt_style,
+)
 from opencomposer.agent.backends._stream import Emit, TaskStream
 from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutput
 
@@ -80,8 +85,10 @@ class VLLMModel:
         max_num_seqs: int = 16,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        prompt_style: str | None = None,
     ) -> None:
         self.path = str(path)
+        self.prompt_style = prompt_style or read_prompt_style(path)
         self.name = name or f"vllm:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype
