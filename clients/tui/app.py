@@ -28,6 +28,7 @@ from opencomposer.clients.tui.transcript import (
     AssistantEntry,
     DiffEntry,
     NoteEntry,
+    OneLayout,
     ToolCard,
     ToolGroup,
     UserEntry,
@@ -41,6 +42,7 @@ from textual.containers import VerticalScroll
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
+from textual.theme import Theme
 from textual.widget import AwaitMount
 from textual.widgets import Footer, Static
 
@@ -104,7 +106,7 @@ class AskDone(Message, bubble=False):
         self.error = error
 
 
-class Transcript(VerticalScroll):
+class Transcript(OneLayout, VerticalScroll):
     """The session's scrolling history, and the queue that draws it.
 
     Ticks (server events, stream flushes, spinners) and the end of `ask` are handled
@@ -178,6 +180,16 @@ class OpenComposerApp(App[int]):
         self.queued: list[tuple[DiffEntry, str]] = []
         self._status_text = ""
         self.inbox: list[dict[str, Any]] = []
+        self._theme_cache: tuple[str, Theme] | None = None
+
+    @property
+    def current_theme(self) -> Theme:
+        """Textual's, cached: it is read for every line painted and copies the theme table."""
+        name = self.theme
+        cached = getattr(self, "_theme_cache", None)
+        if cached is None or cached[0] != name:
+            cached = self._theme_cache = (name, super().current_theme)
+        return cached[1]
 
     # -- layout -------------------------------------------------------------------------
 
@@ -425,6 +437,7 @@ class OpenComposerApp(App[int]):
             await self._mount(NoteEntry(f"✗ {result['error']}", "error"))
         self._refresh_status()
         self._decide_queued()
+        settle_heap()
 
     async def handle_event(self, event: dict[str, Any]) -> None:
         """Draw one session event (DESIGN.md's stream plus `session_id`)."""
