@@ -10,7 +10,8 @@ Textual and the UI never touches pygls.
 
 The server's messages are read and parsed (JSON, pygls structuring) in a reader thread,
 not on the UI loop: while the model streams that is hundreds of messages a second. The
-thread hands them to the loop in batches, one callback per batch.
+thread hands them to the loop in batches, one callback per batch; `opencomposer/event`
+notifications skip pygls there and go to `LinkUI.server_event` as plain dicts.
 """
 
 from __future__ import annotations
@@ -303,12 +304,12 @@ class ServerLink:
         try:
             while (body := _read_frame(stream)) is not None:
                 try:
-                    message = json.loads(body, object_hook=protocol.structure_message)
+                    item = _parse(body, protocol.structure_message)
                 except Exception:  # one bad message must not end the connection
                     logger.exception("unreadable message from the language server")
                     continue
                 with self._arrived_lock:
-                    self._arrived.append(message)
+                    self._arrived.append(item)
                     first = len(self._arrived) == 1
                 if first:
                     loop.call_soon_threadsafe(self._deliver, context=context)
@@ -325,9 +326,12 @@ class ServerLink:
         """On the loop: handle every message the reader thread has parsed so far."""
         with self._arrived_lock:
             batch, self._arrived = self._arrived, []
-        for message in batch:
+        for is_event, message in batch:
             try:
-                self.client.protocol.handle_message(message)
+                if is_event:
+                    self.ui.server_event(message)
+                else:
+                    self.client.protocol.handle_message(message)
             except Exception:
                 logger.exception("could not handle a message from the language server")
 
@@ -446,6 +450,16 @@ class ServerLink:
         if not self.running and result is None:
             raise LinkError("the language server stopped")
         return _as_dict(result)
+
+
+def _parse(body: bytes, structure: Any) -> tuple[bool, Any]:
+    """(True, params) for an `opencomposer/event`, else (False, the pygls message)."""
+    message = json.loads(body)
+    if isinstance(message, dict) and message.get("method") == EVENT_NOTIFICATION:
+        params = message.get("params")
+        if isinstance(params, dict):
+            return True, params
+    return False, json.loads(body, object_hook=structure)
 
 
 def _read_frame(stream: BinaryIO) -> bytes | None:
