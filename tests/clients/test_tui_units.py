@@ -15,6 +15,7 @@ from lsprotocol import types as lsp
 from opencomposer.clients.tui.app import OpenComposerApp, SessionView, short_model
 from opencomposer.clients.tui.edits import EditError, apply_text_edits, apply_workspace_edit
 from opencomposer.clients.tui.transcript import ToolCallFilter, ToolCard, clip, visible_text
+from tui_harness import wait_for
 
 
 def _edit(l1, c1, l2, c2, text):
@@ -112,7 +113,8 @@ async def test_megabyte_tool_result_reaches_a_card_quickly(tmp_path):
                 **sid,
             }
         )
-        await pilot.pause(0.1)
+        # Events are drawn on the app's next tick (TICK_INTERVAL_S).
+        await wait_for(pilot, lambda: bool(app.query(ToolCard)), 10, "the card")
         t0 = time.monotonic()
         big = "match\n" * 180_000
         app.server_event(
@@ -127,8 +129,8 @@ async def test_megabyte_tool_result_reaches_a_card_quickly(tmp_path):
                 **sid,
             }
         )
-        await pilot.pause(0.1)
         card = app.query_one(ToolCard)
+        await wait_for(pilot, lambda: card.status is not None, 10, "the result")
         assert card.status == "ok" and len(card.result) < 10_000
         card.focus()
         await pilot.press("enter")
