@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -35,7 +36,7 @@ from opencomposer.clients.tui.transcript import (
     fmt_duration,
 )
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -51,6 +52,9 @@ from textual.widgets import Footer, Static
 # transcript has nothing to repaint, so a key press costs one small frame; a tick costs
 # one bigger frame (and at most one layout pass), not one per event.
 TICK_INTERVAL_S = 0.1
+# Input first: a tick that comes due while a key press is not yet on screen waits (at
+# most this long) for that paint, so the key's frame is not the one carrying the tick.
+INPUT_FIRST_S = 0.05
 
 
 @dataclass(kw_only=True)
@@ -118,6 +122,7 @@ class Transcript(OneLayout, VerticalScroll):
 
     async def on_tick(self, message: Tick) -> None:
         try:
+            await self.app.input_painted(INPUT_FIRST_S)  # type: ignore[attr-defined]
             await self.app.tick()  # type: ignore[attr-defined]
         finally:
             self._ticking = False
@@ -181,6 +186,8 @@ class OpenComposerApp(App[int]):
         self._status_text = ""
         self.inbox: list[dict[str, Any]] = []
         self._theme_cache: tuple[str, Theme] | None = None
+        self._key_painted = asyncio.Event()
+        self._key_painted.set()
 
     @property
     def current_theme(self) -> Theme:
@@ -190,6 +197,19 @@ class OpenComposerApp(App[int]):
         if cached is None or cached[0] != name:
             cached = self._theme_cache = (name, super().current_theme)
         return cached[1]
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.Key):
+            # Note the key until the screen has been painted after it (see input_painted).
+            self._key_painted.clear()
+            self.call_after_refresh(self._key_painted.set)
+        await super().on_event(event)
+
+    async def input_painted(self, timeout: float) -> None:
+        """Wait until the last key press is on screen (or `timeout` s have passed)."""
+        if not self._key_painted.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._key_painted.wait(), timeout)
 
     # -- layout -------------------------------------------------------------------------
 
