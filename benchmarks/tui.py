@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import random
 import statistics
 import sys
@@ -153,8 +154,6 @@ async def measure(app_factory, keys: int, stream: bool) -> dict[str, float]:
                     f"benchmark: the app stopped: {app.return_code} {app._exception!r}"
                 )
             app.post_message(events.Key(char, char))
-            import os
-
             if os.environ.get("TUI_BENCH_DEBUG"):
                 print("posted", char, len(latencies), file=sys.stderr)
             give_up = time.monotonic() + 5
@@ -218,19 +217,25 @@ def main() -> int:
         ("scripted stream (real server)", real(f"scripted:{script}"), True),
     ]
     rows = []
+    load_before = os.getloadavg()
     for name, factory, stream in runs:
         rows.append((name, asyncio.run(measure(factory, args.keys, stream))))
         print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
-    base = rows[0][1]["p50"]
+    base, base95 = rows[0][1]["p50"], rows[0][1]["p95"]
+    load_after = os.getloadavg()
     print(f"keystroke to screen, {args.keys} keys each (ms)")
     print(
+        f"load average (1/5/15 min) {' '.join(f'{x:.2f}' for x in load_before)} before,"
+        f" {' '.join(f'{x:.2f}' for x in load_after)} after, on {os.cpu_count()} CPUs"
+    )
+    print(
         f"{'run':34} {'events/s':>9} {'p50':>7} {'p95':>7} {'max':>7} {'p50 vs idle':>12}"
-        f" {'not shown in 5 s':>17}"
+        f" {'p95 vs idle':>12} {'not shown in 5 s':>17}"
     )
     for name, r in rows:
         print(
             f"{name:34} {r['events_per_s']:9.0f} {r['p50']:7.1f} {r['p95']:7.1f} {r['max']:7.1f}"
-            f" {r['p50'] / base:11.2f}x {r['misses']:17d}"
+            f" {r['p50'] / base:11.2f}x {r['p95'] / base95:11.2f}x {r['misses']:17d}"
         )
     target = rows[1][1]["p95"]
     print(

@@ -59,13 +59,21 @@ class Tmux:
     def __init__(self, name: str) -> None:
         self.base = ["tmux", "-L", name]
 
-    def run(self, *args: str) -> str:
-        done = subprocess.run(
-            [*self.base, *args], capture_output=True, text=True, timeout=30, check=False
-        )
-        if done.returncode != 0:
-            raise Failed(f"tmux {args[0]}: {done.stderr.strip() or done.returncode}")
-        return done.stdout
+    def run(self, *args: str, tries: int = 3) -> str:
+        # On a machine this busy, tmux itself can take many seconds to answer.
+        for attempt in range(tries):
+            try:
+                done = subprocess.run(
+                    [*self.base, *args], capture_output=True, text=True, timeout=60, check=False
+                )
+            except subprocess.TimeoutExpired:
+                if attempt == tries - 1:
+                    raise Failed(f"tmux {args[0]} did not answer in 60 s ({tries} tries)") from None
+                continue
+            if done.returncode != 0:
+                raise Failed(f"tmux {args[0]}: {done.stderr.strip() or done.returncode}")
+            return done.stdout
+        raise AssertionError("unreachable")
 
     def start(self, command: list[str], env: dict[str, str], cwd: Path) -> None:
         width, height = SIZE
@@ -140,9 +148,10 @@ def wait_for(tmux: Tmux, test, timeout: float, what: str, log) -> str:
         if test(screen):
             return screen
         status = _status_line(screen)
-        if status and status != last_status:
+        quiet = re.sub(r" · \d+s · ", " · ", status)  # the elapsed time alone is no news
+        if quiet and quiet != last_status:
             log(f"  status: {status}")
-            last_status = status
+            last_status = quiet
         if tmux.dead():
             raise Failed(f"the TUI exited while waiting for {what}")
         if time.monotonic() > deadline:
