@@ -166,12 +166,18 @@ def trainer_config(cfg: TrainConfig) -> TrainerConfig:
 
 
 def make_sampler(cfg: TrainConfig, folder: Path) -> VersionedModel:
+    """The sampler, built as the production agent builds it (``smollm2`` is the
+    embedded model, which asks for the compact prompt); an explicit
+    ``rollout.prompt_style`` is handed to the backend."""
     from opencomposer.agent.backends import make_model
 
     kw: dict[str, Any] = {}
     if cfg.model.sampler == "vllm":
         kw["kv_cache_gib"] = cfg.model.kv_cache_gib
-    inner = make_model(f"{cfg.model.sampler}:{folder}", **kw)
+    if cfg.rollout.prompt_style != "auto":
+        kw["prompt_style"] = cfg.rollout.prompt_style
+    embedded = cfg.model.path == "smollm2" and cfg.model.moe_experts == 0
+    inner = make_model(f"{cfg.model.sampler}:{'smollm2' if embedded else folder}", **kw)
     if hasattr(inner, "reload_weights"):
         return VersionedModel(inner)
     # the hf: backend has no reload_weights: copy into its (lazily loaded) module
@@ -269,12 +275,15 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
             traces = traces or await trace_samples(run)
             data = traces
         t1 = time.perf_counter()
+        chosen = list(data.samples)  # a seeded random subset when capped, not the newest
+        random.Random(cfg.run.seed + round_).shuffle(chosen)
+        chosen = chosen[: cfg.sft.max_examples]
         stats = []
-        if data.samples:
+        if chosen:
             stats = await asyncio.to_thread(
                 fit,
                 run.trainer,
-                data.samples[: cfg.sft.max_examples],
+                chosen,
                 epochs=cfg.sft.epochs,
                 lr=cfg.sft.lr,
                 batch=cfg.sft.micro_batch_size,
@@ -288,10 +297,11 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
             "time": time.time(),
             "sft_source": cfg.sft.source,
             "weight_version": run.trainer.version,
-            "sft_examples": len(data.samples),
+            "sft_examples": len(chosen),
             "sft_sessions": data.sessions_used,
             "sft_steps": len(stats),
-            "sft_tokens": sum(sum(s.mask) for s in data.samples[: cfg.sft.max_examples]),
+            "sft_tokens": sum(sum(s.mask) for s in chosen),
+            "sft_seq_tokens": sum(len(s.input_ids) for s in chosen),
             "loss": _mean([s.get("loss") or 0.0 for s in stats]),
             "loss_last": stats[-1].get("loss") if stats else None,
             "rollout_s": t1 - t0,
@@ -462,6 +472,7 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         prompt_style=resolve_prompt_style(cfg, sampler),
         env=env,
     )
+    trainer.prompt_style = run.prompt_style
     try:
         if sft:
             from opencomposer.training.sft import run_sft

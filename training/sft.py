@@ -150,6 +150,18 @@ def trace_db(run: Any) -> Path | None:
     return Path(run.out) / "demos.db" if cfg.source == "demos" else None
 
 
+def demo_style(run: Any) -> str:
+    """The prompt style demonstrations are (and were) recorded in: the run's, as the
+    Session will really apply it ("full" where the agent core has no styles)."""
+    from opencomposer.training.demos import demo_session_config
+
+    return str(
+        getattr(
+            demo_session_config(prompt_style=run.prompt_style or "full"), "prompt_style", "full"
+        )
+    )
+
+
 async def ensure_demos(run: Any, db: Path) -> Any:
     """Record demonstrations of the run's training tasks into ``db`` (the ones not
     recorded there yet in this prompt style), on the run's environment server."""
@@ -157,7 +169,7 @@ async def ensure_demos(run: Any, db: Path) -> Any:
     from opencomposer.training.config import ConfigError
     from opencomposer.training.demos import DemoError, DemoStats, demo_session_config, record_demos
 
-    style = run.prompt_style or "full"
+    style = demo_style(run)
     store = TraceStore(db)
     try:
         done = set()
@@ -204,7 +216,7 @@ async def trace_samples(run: Any) -> SftData:
             )
     traces = await asyncio.to_thread(load_accepted_traces, db=db)
     if cfg.source == "demos":
-        style = run.prompt_style or "full"
+        style = demo_style(run)
         traces = [t for t in traces if (t.get("meta") or {}).get("prompt_style") == style]
     source_dir = getattr(run.trainer, "source_dir", None)
     tokenizer = TraceTokenizer(source_dir) if source_dir is not None else None

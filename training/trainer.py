@@ -92,6 +92,9 @@ class Trainer:
         self.step_count = 0
         self.version = 0  # bumps once per applied (non-skipped) step
         self.source_dir: Path | None = None  # tokenizer files are copied from here on save
+        # the system-prompt style the policy is trained with; saved checkpoints say it
+        # (opencomposer.json) so the agent prompts a trained folder the same way
+        self.prompt_style: str | None = None
 
     @classmethod
     def from_pretrained(
@@ -282,6 +285,10 @@ class Trainer:
             for f in self.source_dir.iterdir():
                 if f.is_file() and (f.name.startswith(TOKENIZER_FILES) or f.suffix == ".jinja"):
                     shutil.copyfile(f, folder / f.name)
+        if self.prompt_style is not None:
+            from opencomposer.agent.backends._local import write_prompt_style
+
+            write_prompt_style(folder, self.prompt_style)
         state = {
             "optimizer": self.optimizer.state_dict(),
             "step": self.step_count,

@@ -197,3 +197,13 @@ def test_demos_through_the_real_session_become_assistant_only_samples(suite, tok
             assert s.input_ids[: len(p)] == p
     # no held-out task was touched
     assert all(load_task(t.dir).split == "train" for t in tasks)
+
+
+def test_checkpoints_say_the_prompt_style_they_were_trained_with(tmp_path):
+    from opencomposer.agent.backends._local import read_prompt_style
+    from opencomposer.training.trainer import Trainer, TrainerConfig, tiny_llama
+
+    tr = Trainer(tiny_llama(), TrainerConfig(precision="fp32"))
+    assert read_prompt_style(tr.save(tmp_path / "a")) == "full"  # says nothing: full
+    tr.prompt_style = "compact"
+    assert read_prompt_style(tr.save(tmp_path / "b")) == "compact"
