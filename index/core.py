@@ -96,6 +96,9 @@ class IndexStats:
     # Loading the embedding model (once per process); not part of the rate.
     load_seconds: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
+    # Where the time went: scan (walk, stat, hash), chunk (tree-sitter), embed, store
+    # (SQLite rows and the lexical index, one transaction per ~1,000 chunks), faiss.
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def chunks_per_s(self) -> float:
@@ -153,6 +156,7 @@ class CodebaseIndex:
         self._tree = Tree.build({})
         self._query_cache: dict[str, np.ndarray] = {}
         self._orphans: set[str] = set()
+        self._phases: Counter[str] = Counter()
 
     # -- life cycle ------------------------------------------------------------
 
@@ -350,6 +354,8 @@ class CodebaseIndex:
         return stats
 
     def _refresh(self) -> IndexStats:
+        t_scan = time.perf_counter()
+        self._phases: Counter[str] = Counter()
         self._reload_if_changed()
         found = walk(self.root, self.walk_config)
         skipped: Counter[str] = Counter(found.skipped)
@@ -404,12 +410,15 @@ class CodebaseIndex:
             if p in stored and stored[p][0] == hashes[p] and stored[p][1:] != stats_of[p]
         ]
         stats = IndexStats(skipped=dict(skipped))
+        self._phases["scan"] += time.perf_counter() - t_scan
         todo = changes.added + changes.changed
         if todo:
             t_load = time.perf_counter()
             _ = self.embedder.model  # loaded once per process; timed apart from the build
             stats.load_seconds = time.perf_counter() - t_load
+        t_chunk = time.perf_counter()
         chunks_by_file = {p: chunk_text(p, texts[p], self.chunk_config) for p in todo}
+        self._phases["chunk"] += time.perf_counter() - t_chunk
         embedded, embed_s = self._write(
             chunks_by_file,
             removed=changes.removed,
@@ -423,6 +432,7 @@ class CodebaseIndex:
         stats.files_removed = len(changes.removed)
         stats.chunks_embedded = embedded
         stats.embed_seconds = embed_s
+        stats.phases = {k: round(v, 3) for k, v in self._phases.items()}
         return stats
 
     def _write(
@@ -468,7 +478,9 @@ class CodebaseIndex:
             t0 = time.perf_counter()
             vecs = self._embed_with_progress(list(need.values()), done, total)
             embed_s += time.perf_counter() - t0
+            self._phases["embed"] += time.perf_counter() - t0
             embedded += len(need)
+            t_store = time.perf_counter()
             with db:
                 db.executemany(
                     "INSERT OR REPLACE INTO vectors VALUES (?, ?)",
@@ -495,9 +507,12 @@ class CodebaseIndex:
                     [(p, *file_rows[p]) for p in batch],
                 )
                 self._bump_generation()
+            t_faiss = time.perf_counter()
+            self._phases["store"] += t_faiss - t_store
             all_vecs = self._vectors_for(keys, need, vecs)
             if new_ids:
                 self._vectors.add_with_ids(all_vecs, np.array(new_ids, dtype=np.int64))
+            self._phases["faiss"] += time.perf_counter() - t_faiss
             done += len(items)
             batch, batch_chunks = [], 0
         if self._orphans:
@@ -535,15 +550,14 @@ class CodebaseIndex:
         return np.stack([fresh[k] for k in keys]).astype(np.float32)
 
     def _embed_with_progress(self, texts: list[str], done: int, total: int) -> np.ndarray:
-        out = []
-        step = 256
-        for i in range(0, len(texts), step):
-            out.append(self.embedder.encode(texts[i : i + step]))
-            if self.progress:
-                self.progress("embed", min(total, done + i + step), total)
-        if not out:
+        """All texts in one length-sorted pass (least padding), reporting progress per batch."""
+        if not texts:
             return np.zeros((0, self._vectors.d), np.float32)
-        return np.concatenate(out)
+        report = None
+        if self.progress:
+            progress = self.progress
+            report = lambda n: progress("embed", min(total, done + n), total)  # noqa: E731
+        return self.embedder.encode(texts, progress=report)
 
     def _delete_path_rows(self, path: str) -> None:
         rows = self.db.execute("SELECT id, vkey FROM chunks WHERE path = ?", (path,)).fetchall()

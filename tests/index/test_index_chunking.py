@@ -41,9 +41,15 @@ def test_python_functions_classes_and_merging() -> None:
     by_symbol = {c.symbol: c for c in chunks}
     assert "handler" in by_symbol
     assert PY.splitlines()[by_symbol["handler"].start_line - 1].startswith("def handler")
-    # tiny siblings (imports, constants, two small functions) share a chunk
+    # tiny statements (imports, constants) share a chunk; every function is its own chunk
     first = chunks[0]
-    assert first.start_line == 1 and "small_a" in first.text and "small_b" in first.text
+    assert first.start_line == 1 and "CONSTANT" in first.text and "small_a" not in first.text
+    assert by_symbol["small_a"].text == "def small_a():\n    return 1"
+    assert "small_b" not in by_symbol["small_a"].text
+    # with a minimum size for definitions, small functions merge with their neighbours
+    merged = chunk_text("svc.py", PY, ChunkConfig(min_def_chars=250))
+    assert "small_a" in merged[0].text and "small_b" in merged[0].text
+    assert merged[0].symbol == "small_a, small_b"
     # the big class is split into method chunks that keep the class as scope and header context
     methods = [c for c in chunks if c.scope == "Service"]
     assert len(methods) >= 3
