@@ -22,7 +22,7 @@ Speed on a 2-core CPU comes from four choices, each measured in
   folder goes through `SentenceTransformer.encode`.
 
 `OPENCOMPOSER_EMBED_DTYPE=bf16|fp32|int8` (int8: dynamically quantized linear
-layers; measured no faster than bf16 here) and `OPENCOMPOSER_EMBED_TOKENS=N`
+layers; within 10% of bf16's speed here, quality not measured, so not the default) and `OPENCOMPOSER_EMBED_TOKENS=N`
 override the defaults; `OPENCOMPOSER_EMBED_THREADS=N` fixes torch's thread
 count (default: see `Embedder._threads`).
 """
