@@ -193,7 +193,7 @@ def bench_build(n_chunks: int) -> None:
     print(f"  index full build from empty: {stats.files} files, {stats.chunks} chunks (mean {chars:.0f} characters), "
           f"{stats.chunks_embedded} embedded in {stats.seconds - stats.load_seconds:.1f} s -> {rate:.1f} chunks/s, "
           f"{rate * chars / 1000:.0f} k characters/s (baseline {base_rate * 1.5:.0f} k characters/s); "
-          f"{build_cpu:.0f} chunks per CPU-second (x{os.cpu_count()} cores: about {build_cpu * (os.cpu_count() or 1):.0f}/s if the machine were idle)")  # fmt: skip
+          f"{build_cpu:.0f} chunks per CPU-second")  # fmt: skip
     print(f"  where the time went: {phases}")
     print("  target: 300 chunks/s of ~1,500 characters (3x a 100/s fp32 baseline)")
     index.close()
