@@ -710,9 +710,11 @@ def settle_heap() -> None:
     While events stream, the UI allocates fast (strips, segments, messages) and the
     collector's full passes over the whole heap (imports, Textual, the LSP types) took
     ~70 ms of CPU each, about once a second: a keystroke that landed behind one waited
-    for it. Called when the server is up and again when a session ends; later passes only
-    walk what was allocated since.
+    for it. Called when the server is up and again when a session ends (not while one
+    streams); later passes only walk what was allocated since. Each call first unfreezes
+    and collects everything, so cyclic garbage is never kept for good.
     """
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
