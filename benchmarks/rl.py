@@ -21,6 +21,7 @@ Part 3 — time split per step of a real run, from its ``metrics.jsonl``
 (``--metrics FILE``).
 
     .venv/bin/python benchmarks/rl.py [--steps 6] [--tasks 16] [--sigma 1.2] [--skip-sync] [--metrics FILE]
+    .venv/bin/python benchmarks/rl.py --metrics-only --metrics RUN/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -209,15 +210,37 @@ async def part_sync(args) -> dict:
 
 
 def part_metrics(path: Path) -> None:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r.get("step", 0) > 0 and r.get("rollout_s") is not None]
+    """The time split per step, and the held-out learning curve by phase."""
+    all_rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = [r for r in all_rows if r.get("step", 0) > 0 and r.get("rollout_s") is not None]
+    timed = [r["time"] for r in all_rows if r.get("time") is not None]
+    t0 = min(timed, default=0.0)
+    held = [r for r in all_rows if r.get("heldout_reward") is not None]
+    if held:
+        print(f"held-out mean reward of {path}:")
+        for r in held:
+            phase = r.get("phase") or f"after RL step {r['step']}"
+            at = f" at {(r['time'] - t0) / 60:5.1f} min" if r.get("time") is not None else ""
+            print(
+                f"  {phase:>18}{at}: {r['heldout_reward']:.3f}"
+                f" (resolve rate {r.get('heldout_resolve_rate', 0.0):.2f})"
+            )
+    for r in all_rows:
+        if str(r.get("phase", "")).startswith("warmup"):
+            print(
+                f"  warm start: {r.get('sft_examples')} examples, {r.get('sft_steps')} steps,"
+                f" {r.get('train_s', 0.0):.0f} s training, {r.get('rollout_s', 0.0):.0f} s collecting"
+            )
     if not rows:
         print(f"{path}: no steps")
         return
     print(f"time split per step of {path} ({len(rows)} steps):")
-    for key in ("rollout_s", "train_s", "sync_s"):
-        xs = [r[key] for r in rows]
-        print(f"  {key:>10}: mean {statistics.mean(xs):7.2f} s  max {max(xs):7.2f} s")
+    for key in ("rollout_s", "train_s", "sync_s", "eval_s"):
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        if xs:
+            print(
+                f"  {key:>10}: mean {statistics.mean(xs):7.2f} s  max {max(xs):7.2f} s  (n={len(xs)})"
+            )
 
 
 def main() -> None:
@@ -237,12 +260,17 @@ def main() -> None:
     ap.add_argument("--only-sync", action="store_true", help="skip the straggler part")
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--metrics", type=Path, help="a run's metrics.jsonl: print its time split")
+    ap.add_argument(
+        "--metrics-only", action="store_true", help="only read --metrics (no benchmark runs)"
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     out: dict = {}
-    if not args.only_sync:
+    if args.metrics_only and not args.metrics:
+        ap.error("--metrics-only needs --metrics FILE")
+    if not args.only_sync and not args.metrics_only:
         out["stragglers"] = asyncio.run(part_stragglers(args))
-    if not args.skip_sync:
+    if not args.skip_sync and not args.metrics_only:
         out["sync"] = asyncio.run(part_sync(args))
     if args.metrics:
         part_metrics(args.metrics)
