@@ -9,7 +9,8 @@ interleaved), because this CPU is shared and absolute times swing.
     .venv/bin/python benchmarks/kernels.py --only moe,sqnr # a subset
     .venv/bin/python benchmarks/kernels.py --json out.json # also write the numbers
 
-Sections: sqnr, quantize, moe, train, gpu (skipped without CUDA).
+Sections: sqnr, quantize, moe, train, gpu (toy sizes on CPU without CUDA; on a lent
+GPU run ``bash benchmarks/kernels_gpu.sh``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,17 +33,33 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS: dict[str, object] = {}
 
 
-def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, runs interleaved so load swings hit all alike."""
+def timed_runs(
+    fns: dict[str, Callable[[], object]], repeats: int, cpu: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
+    """Seconds of every run of each function, runs interleaved so load swings hit all
+    alike; with ``cpu``, also each run's CPU seconds of this process (all its threads:
+    what the work cost, whatever else the machine ran meanwhile)."""
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - c)
+    return times
+
+
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function (``timed_runs``)."""
+    return {name: statistics.median(ts) for name, ts in timed_runs(fns, repeats).items()}
+
+
+def load() -> str:
+    """The 1-minute load average: this CPU is shared, so every figure says what it ran beside."""
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def report(key: str, value: object, text: str) -> None:
@@ -127,35 +145,72 @@ def bench_quantize() -> None:
 # ----------------------------------------------------------------------------- MoE
 
 
-def bench_moe() -> None:
-    tokens, dim, hidden = 2048, 576, 1536  # SmolLM2-135M's MLP, 8 experts, top-2
+MOE_SHAPES = (  # (tokens, model dim, expert hidden): 8 experts, top-2
+    (4096, 576, 1536),  # SmolLM2-135M's MLP, 2 sequences of 2048 tokens
+    (2048, 1024, 2816),  # a larger model, Mixtral's 3.5x expert ratio
+)
+
+
+def bench_moe(shapes: tuple[tuple[int, int, int], ...] = MOE_SHAPES, repeats: int = 3) -> None:
+    """The MoE layer (router, experts, aux losses) with the grouped expert path against
+    the per-expert loop reference, same weights and inputs, runs interleaved."""
+    from opencomposer.kernels.moe import default_gemm_backend
+
     print(
-        f"MoE layer forward+backward, {tokens} tokens, dim {dim}, expert hidden {hidden}, "
-        "8 experts, top-2: grouped (_grouped_mm) vs per-expert loop"
+        f"MoE layer, 8 experts, top-2: grouped vs per-expert loop "
+        f"({torch.get_num_threads()} threads, load {load()})"
     )
-    for dtype in (torch.bfloat16, torch.float32):
-        torch.manual_seed(0)
-        layer = MoE(MoE.Config(dim=dim, hidden=hidden, num_experts=8, top_k=2)).to(dtype)
-        x = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
-        g = torch.randn(tokens, dim, dtype=dtype)
+    for tokens, dim, hidden in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            torch.manual_seed(0)
+            layer = MoE(MoE.Config(dim=dim, hidden=hidden, num_experts=8, top_k=2)).to(dtype)
+            x = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
+            g = torch.randn(tokens, dim, dtype=dtype)
 
-        def run(impl: str, fwd_only: bool = False, layer=layer, x=x, g=g) -> None:
-            layer.experts.config = dataclasses.replace(layer.experts.config, impl=impl)
-            if fwd_only:
-                with torch.no_grad():
-                    layer(x)
-                return
-            layer(x).backward(g)
+            def run(impl: str, fwd_only: bool = False, layer=layer, x=x, g=g) -> torch.Tensor:
+                layer.experts.config = dataclasses.replace(layer.experts.config, impl=impl)
+                if fwd_only:
+                    with torch.no_grad():
+                        return layer(x)
+                x.grad = None
+                layer(x).backward(g)
+                return x.grad
 
-        t = timed({"grouped": lambda: run("grouped"), "loop": lambda: run("loop")}, 5)
-        f = timed({"grouped": lambda: run("grouped", True), "loop": lambda: run("loop", True)}, 5)
-        name = str(dtype).removeprefix("torch.")
-        report(
-            f"moe_speedup_{name}",
-            round(t["loop"] / t["grouped"], 2),
-            f"{name}: fwd+bwd loop {t['loop'] * 1e3:.0f} ms, grouped {t['grouped'] * 1e3:.0f} ms "
-            f"-> {t['loop'] / t['grouped']:.2f}x; forward only -> {f['loop'] / f['grouped']:.2f}x",
-        )
+            out = {impl: (run(impl, True), run(impl).clone()) for impl in ("grouped", "loop")}
+            err = max(
+                ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                for a, b in zip(out["grouped"], out["loop"], strict=True)
+            )
+            with torch.no_grad():
+                counts = torch.bincount(layer.gate(x).indices.reshape(-1), minlength=8)
+            backend = default_gemm_backend(x, counts)
+            fc: dict[str, list[float]] = {}
+            tc: dict[str, list[float]] = {}
+            fr = timed_runs({"grouped": lambda: run("grouped", True), "loop": lambda: run("loop", True)}, repeats, fc)  # fmt: skip
+            tr = timed_runs({"grouped": lambda: run("grouped"), "loop": lambda: run("loop")}, repeats, tc)  # fmt: skip
+            cpu_f = statistics.median(fc["loop"]) / statistics.median(fc["grouped"])
+            cpu_t = statistics.median(tc["loop"]) / statistics.median(tc["grouped"])
+            f = {k: statistics.median(v) for k, v in fr.items()}
+            t = {k: statistics.median(v) for k, v in tr.items()}
+            best_f = min(fr["loop"]) / min(fr["grouped"])  # best run against best run
+            best_t = min(tr["loop"]) / min(tr["grouped"])
+            name = str(dtype).removeprefix("torch.")
+            key = f"moe_{tokens}x{dim}x{hidden}_{name}"
+            RESULTS[f"{key}_fwd_speedup"] = round(f["loop"] / f["grouped"], 2)
+            RESULTS[f"{key}_best_of_speedups"] = [round(best_f, 2), round(best_t, 2)]
+            RESULTS[f"{key}_cpu_time_speedups"] = [round(cpu_f, 2), round(cpu_t, 2)]
+            report(
+                f"{key}_fwdbwd_speedup",
+                round(t["loop"] / t["grouped"], 2),
+                f"T={tokens} D={dim} F={hidden} {name:8s} [{backend}, max group "
+                f"{int(counts.max())}/mean {counts.float().mean():.0f}]: "
+                f"fwd loop {f['loop'] * 1e3:.0f} ms / grouped {f['grouped'] * 1e3:.0f} ms "
+                f"= {f['loop'] / f['grouped']:.2f}x (best-of {best_f:.2f}x); fwd+bwd loop "
+                f"{t['loop'] * 1e3:.0f} ms / grouped {t['grouped'] * 1e3:.0f} ms = "
+                f"{t['loop'] / t['grouped']:.2f}x (best-of {best_t:.2f}x); CPU-time ratio fwd "
+                f"{cpu_f:.2f}x, fwd+bwd {cpu_t:.2f}x; "
+                f"max rel diff (out, dx) {err:.1e}; load {load()}",
+            )
 
 
 # --------------------------------------------------------------------------- train
@@ -191,16 +246,36 @@ def tflops(flops: float, seconds: float) -> float:
 
 
 def bench_gpu() -> None:
-    if not torch.cuda.is_available():
-        print("GPU: no CUDA device here; skipped")
-        return
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(dev)
-    print(f"GPU {name} (capability {torch.cuda.get_device_capability(dev)}), MX backend "
-          f"{mx.gemm_backend(dev)}")  # fmt: skip
+    """bf16 against FP8/MXFP8 GEMM and grouped-GEMM TFLOP/s, on the MX path
+    ``mx.gemm_backend`` picks for the device (Blackwell: MX ``_scaled_mm``; Ada/Hopper:
+    the Triton kernel; elsewhere: emulation).
 
-    def cuda_time(fn: Callable[[], object], reps: int = 20) -> float:
+    On a GPU the sizes are the real ones (8192^3 GEMM; 8 experts x 2048 tokens, 4096 ->
+    8192 grouped). Without CUDA the same code runs at toy sizes on the CPU so that the
+    script is known to run before a device is lent; those CPU figures mean nothing.
+    On a lent H200: ``bash benchmarks/kernels_gpu.sh`` (see that file).
+    """
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        name = (
+            f"{torch.cuda.get_device_name(dev)}, capability {torch.cuda.get_device_capability(dev)}"
+        )
+        m = n = k = 8192
+        experts, tokens, dim, hidden = 8, 16384, 4096, 8192
+    else:
+        name = "no CUDA device: CPU fallback at toy sizes, checks the script runs"
+        m = n = k = 256
+        experts, tokens, dim, hidden = 8, 512, 256, 512
+    print(f"GPU section on {name}; MX GEMM backend {mx.gemm_backend(dev)}")
+
+    def dev_time(fn: Callable[[], object], reps: int = 20 if cuda else 2) -> float:
         fn()
+        if not cuda:
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t) / reps
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -210,56 +285,66 @@ def bench_gpu() -> None:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3 / reps
 
-    m = n = k = 8192
+    def attempt(results: dict[str, float], label: str, fn: Callable[[], object]) -> None:
+        try:
+            results[label] = dev_time(fn)
+        except Exception as e:  # a path this device or torch build lacks: say so, go on
+            print(f"  {label}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-    flops = 2 * m * n * k
-    results = {"bf16": cuda_time(lambda: a @ b.t())}
+    gemm: dict[str, float] = {"bf16 mm": dev_time(lambda: a @ b.t())}
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.tensor(1.0, device=dev)
-    try:
-        results["fp8 tensorwise _scaled_mm"] = cuda_time(
-            lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        )
-    except Exception as e:
-        print(f"  fp8 _scaled_mm failed: {str(e).splitlines()[0]}")
+    attempt(gemm, "fp8 tensorwise _scaled_mm", lambda: torch._scaled_mm(
+        a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))  # fmt: skip
     qa, qb = mx.quantize(a), mx.quantize(b)
+    attempt(gemm, f"mxfp8 mx_mm ({mx.gemm_backend(dev)})", lambda: mx.mx_mm(qa, qb, torch.bfloat16))
+    ref = mx.mx_mm(qa, qb, torch.float32, "emulated")
     try:
-        results[f"mxfp8 ({mx.gemm_backend(dev)})"] = cuda_time(
-            lambda: mx.mx_mm(qa, qb, torch.bfloat16)
-        )
-        ref = mx.mx_mm(qa, qb, torch.float32, "emulated")
-        got = mx.mx_mm(qa, qb, torch.float32)
-        print(f"  mx_mm vs emulation max rel err {((got - ref).abs().max() / ref.abs().max()):.2e}")
+        err = ((mx.mx_mm(qa, qb, torch.float32) - ref).abs().max() / ref.abs().max()).item()
+        report("gpu_mx_mm_rel_err", err, f"mx_mm vs exact emulation: max rel err {err:.1e}")
     except Exception as e:
-        print(f"  mx_mm failed: {str(e).splitlines()[0]}")
-    for label, s in results.items():
-        report(f"gpu_gemm_{label}", round(tflops(flops, s), 1), f"GEMM {m}^3 {label}: "
-               f"{tflops(flops, s):.0f} TFLOP/s")  # fmt: skip
+        print(f"  mx_mm check failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    for label, sec in gemm.items():
+        report(f"gpu_gemm_{label}", round(tflops(2 * m * n * k, sec), 2),
+               f"GEMM {m}x{n}x{k} {label}: {tflops(2 * m * n * k, sec):.3g} TFLOP/s")  # fmt: skip
 
-    experts, tokens, dim, hidden = 8, 16384, 4096, 8192  # per-expert 2048 tokens
     x = torch.randn(tokens, dim, device=dev, dtype=torch.bfloat16)
     w = torch.randn(experts, hidden, dim, device=dev, dtype=torch.bfloat16)
     offs = torch.arange(1, experts + 1, device=dev, dtype=torch.int32) * (tokens // experts)
-    gflops = 2 * tokens * dim * hidden
-    grouped = {
-        "bf16 _grouped_mm": cuda_time(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
-    }
-    try:
-        x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-        sa = torch.ones(tokens, device=dev)
-        sb = torch.ones(experts, hidden, device=dev)
-        grouped["fp8 rowwise _scaled_grouped_mm"] = cuda_time(
-            lambda: torch._scaled_grouped_mm(
-                x8, w8.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16
-            )
+    grouped: dict[str, float] = {}
+    attempt(
+        grouped, "bf16 _grouped_mm", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    )
+    x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    sa = torch.ones(tokens, device=dev)
+    sb = torch.ones(experts, hidden, device=dev)
+    attempt(grouped, "fp8 rowwise _scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
+        x8, w8.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16))  # fmt: skip
+    for label, sec in grouped.items():
+        fl = 2 * tokens * dim * hidden
+        report(f"gpu_grouped_{label}", round(tflops(fl, sec), 2),
+               f"grouped GEMM {experts}x({tokens // experts}x{dim}->{hidden}) {label}: "
+               f"{tflops(fl, sec):.3g} TFLOP/s")  # fmt: skip
+
+    from opencomposer.kernels.moe import MoE as MoELayer
+    from opencomposer.kernels.mx import MXTrainingConfig
+
+    layers: dict[str, float] = {}
+    xs = torch.randn(tokens // 2, dim // 2, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for label, cfg in (("bf16", None), ("mxfp8 (emulated grouped GEMMs)", MXTrainingConfig())):
+        torch.manual_seed(0)
+        layer = MoELayer(MoELayer.Config(dim=dim // 2, hidden=hidden // 4, mx=cfg))
+        layer = layer.to(dev, torch.bfloat16)
+        attempt(
+            layers, f"MoE layer fwd+bwd {label}", lambda layer=layer: layer(xs).sum().backward()
         )
-    except Exception as e:
-        print(f"  _scaled_grouped_mm failed: {str(e).splitlines()[0]}")
-    for label, s in grouped.items():
-        report(f"gpu_grouped_{label}", round(tflops(gflops, s), 1),
-               f"grouped GEMM {experts}x({tokens // experts}x{dim}x{hidden}) {label}: "
-               f"{tflops(gflops, s):.0f} TFLOP/s")  # fmt: skip
+    fl = 3 * 2 * (tokens // 2) * 2 * 3 * (dim // 2) * (hidden // 4)  # 3x fwd, k=2, 3 GEMMs
+    for label, sec in layers.items():
+        report(f"gpu_{label}", round(tflops(fl, sec), 2),
+               f"{label} ({tokens // 2} tokens, {dim // 2}->{hidden // 4}, 8 experts, top-2): "
+               f"{sec * 1e3:.3g} ms, {tflops(fl, sec):.3g} TFLOP/s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="sqnr,quantize,moe,train,gpu")
     parser.add_argument("--steps", type=int, default=200, help="training steps per precision")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     sections = {
         "sqnr": bench_sqnr,
@@ -280,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown section(s) {unknown}; choose from {list(sections)}", file=sys.stderr)
         return 2
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {load()}")
     for s in wanted:
         sections[s]()
     if args.json:

@@ -40,6 +40,146 @@ def test_grouped_matches_loop_forward_and_backward(dtype):
         torch.testing.assert_close(pa.grad, pb.grad, **tol, msg=name)
 
 
+def _expert_grads(fn, hidden, weights, experts, g):
+    """Output and gradients (hidden, router weights, both banks) of one expert path."""
+    h = hidden.clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    y = fn(h, w)
+    y.backward(g)
+    return [y, h.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+@pytest.mark.parametrize("backend", ["bmm", "mm", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_every_gemm_backend_matches_the_loop(backend, dtype, routing):
+    """Values and all four gradients, for each backend, against the per-expert loop;
+    bf16 is judged by its error against an fp32 run, which must not exceed the loop's."""
+    torch.manual_seed(1)
+    t, d, f, e, k = 67, 64, 96, 8, 2
+    experts = GroupedExperts(GroupedExperts.Config(dim=d, hidden=f, num_experts=e))
+    hidden = torch.randn(t, d)
+    if routing == "random":
+        index = torch.stack([torch.randperm(e)[:k] for _ in range(t)])  # [T, k]
+    else:  # experts 6 and 7 get nothing, expert 0 gets every token
+        index = torch.stack([torch.tensor([0, 1 + i % 5]) for i in range(t)])
+    weights = torch.rand(t, k).softmax(-1)  # fp32, as the router gives them
+    g = torch.randn(t, d)
+
+    def fast(h, w):
+        return moe.grouped_swiglu(
+            h, index, w, experts.gate_up_proj, experts.down_proj, backend=backend
+        )
+
+    def loop(h, w):
+        return experts.forward_loop(h, index, w)
+
+    gold = _expert_grads(loop, hidden, weights, experts, g)  # fp32 loop
+    if dtype == torch.float32:
+        got = _expert_grads(fast, hidden, weights, experts, g)
+        for name, a, b in zip(["out", "hidden", "weights", "w13", "w2"], got, gold, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+        return
+    experts.to(dtype)
+    args = (hidden.to(dtype), weights, experts, g.to(dtype))
+    got, ref = _expert_grads(fast, *args), _expert_grads(loop, *args)
+    for name, a, b, c in zip(
+        ["out", "hidden", "weights", "w13", "w2"], got, ref, gold, strict=True
+    ):
+        assert a.dtype == b.dtype, name
+        scale = c.abs().max()
+        err_fast = ((a.float() - c).abs().max() / scale).item()
+        err_loop = ((b.float() - c).abs().max() / scale).item()
+        assert err_fast <= 1.5 * err_loop + 1e-3, (name, err_fast, err_loop)
+        assert err_fast < 0.02, (name, err_fast)
+    if routing == "skewed":  # experts without tokens get exact zeros
+        assert experts.gate_up_proj.grad[6:].abs().max() == 0
+
+
+def test_bmm_chunks_that_do_not_divide_the_experts():
+    """``bmm`` runs experts in chunks of the thread count: 3 threads, 8 experts -> 3+3+2."""
+    torch.manual_seed(2)
+    experts = GroupedExperts(GroupedExperts.Config(dim=32, hidden=64, num_experts=8))
+    hidden, index = torch.randn(40, 32), torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    weights, g = torch.rand(40, 2), torch.randn(40, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        got = _expert_grads(
+            lambda h, w: moe.grouped_swiglu(
+                h, index, w, experts.gate_up_proj, experts.down_proj, backend="bmm"
+            ),
+            hidden, weights, experts, g,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    ref = _expert_grads(lambda h, w: experts.forward_loop(h, index, w), hidden, weights, experts, g)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["bmm", "mm"])
+def test_grouped_with_no_tokens(backend):
+    experts = GroupedExperts(GroupedExperts.Config(dim=32, hidden=64, num_experts=4))
+    h = torch.zeros(0, 32, requires_grad=True)
+    w = torch.zeros(0, 2, requires_grad=True)
+    index = torch.zeros(0, 2, dtype=torch.long)
+    out = moe.grouped_swiglu(h, index, w, experts.gate_up_proj, experts.down_proj, backend=backend)
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert experts.gate_up_proj.grad.abs().max() == 0
+
+
+def test_grouped_inference_matches_training_forward():
+    """Under no_grad the node keeps no activations; the output must not change."""
+    fast, ref = both_paths()
+    x = torch.randn(30, 64)
+    with torch.no_grad():
+        a, b = fast(x), ref(x)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, fast(x).detach())
+
+
+def test_grouped_under_autocast_keeps_fp32_master_gradients():
+    """The trainer's setting: fp32 parameters, bf16 autocast. Gradients land in fp32."""
+    fast, ref = both_paths()
+    x = torch.randn(40, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = fast(x), ref(x)
+    assert ya.dtype == yb.dtype == torch.bfloat16
+    torch.testing.assert_close(ya, yb, rtol=2e-2, atol=2e-2)
+    ya.float().sum().backward()
+    yb.float().sum().backward()
+    for (name, pa), pb in zip(fast.named_parameters(), ref.parameters(), strict=True):
+        assert pa.grad.dtype == torch.float32, name
+        scale = pb.grad.abs().max()
+        assert (pa.grad - pb.grad).abs().max() <= 0.02 * scale, name
+
+
+def test_default_gemm_backend_by_threads_and_balance():
+    x = torch.zeros(4, 8)
+    balanced, skewed = torch.tensor([10, 11, 9, 10]), torch.tensor([40, 0, 0, 0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert moe.default_gemm_backend(x, balanced) == "bmm"
+        assert moe.default_gemm_backend(x, skewed) == "mm"  # padding would be 4x
+        torch.set_num_threads(1)
+        assert moe.default_gemm_backend(x, balanced) == "mm"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_capacity_permutation_pads_every_group_to_the_largest():
+    idx = torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0]])  # counts [3, 2, 0, 3]
+    perm = moe.make_permutation(idx, num_experts=4, capacity=True)
+    assert perm.size == 12 and perm.offsets.tolist() == [3, 6, 9, 12]
+    x = torch.arange(1.0, 5.0).unsqueeze(-1)  # token t is the row [t + 1]
+    buf = moe.permute(x, perm)
+    assert buf[:, 0].tolist() == [1, 3, 4, 2, 3, 0, 0, 0, 0, 1, 2, 4]
+
+
 def test_grouped_handles_experts_that_get_no_tokens():
     fast, ref = both_paths()
     with torch.no_grad():  # route everything to experts 2 and 5
