@@ -58,6 +58,7 @@ class Tmux:
 
     def __init__(self, name: str) -> None:
         self.base = ["tmux", "-L", name]
+        self.socket: Path | None = None
 
     def run(self, *args: str, tries: int = 3) -> str:
         # On a machine this busy, tmux itself can take many seconds to answer.
@@ -98,6 +99,7 @@ class Tmux:
             *command,
         )
         self.run("set-option", "-t", "tui", "remain-on-exit", "on")
+        self.socket = Path(self.run("display-message", "-p", "#{socket_path}").strip())
 
     def screen(self) -> str:
         return self.run("capture-pane", "-p", "-t", "tui")
@@ -110,6 +112,8 @@ class Tmux:
 
     def close(self) -> None:
         subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=30, check=False)
+        if self.socket is not None:  # tmux leaves the socket file behind
+            self.socket.unlink(missing_ok=True)
 
 
 def prepare(dest: Path) -> Path:
