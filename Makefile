@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
-APT_PACKAGES := bubblewrap ripgrep neovim git
+APT_PACKAGES := bubblewrap ripgrep neovim git tmux
 
 .PHONY: setup system-deps demo test test-slow lint format bench vsix clean
 
