@@ -17,6 +17,7 @@ system-deps:
 	command -v rg >/dev/null || missing="$$missing ripgrep"; \
 	command -v nvim >/dev/null || missing="$$missing neovim"; \
 	command -v git >/dev/null || missing="$$missing git"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null \
