@@ -165,6 +165,8 @@ def test_default_gemm_backend_by_threads_and_balance():
         torch.set_num_threads(2)
         assert moe.default_gemm_backend(x, balanced) == "bmm"
         assert moe.default_gemm_backend(x, skewed) == "mm"  # padding would be 4x
+        assert moe.default_gemm_backend(x.bfloat16(), balanced) == "mm"
+        assert moe.default_gemm_backend(x, torch.zeros(4, dtype=torch.long)) == "mm"
         torch.set_num_threads(1)
         assert moe.default_gemm_backend(x, balanced) == "mm"
     finally:
