@@ -183,6 +183,24 @@ class OneLayout:
         )
 
 
+class Expandable(Static, can_focus=True):
+    """A one-widget row that Enter, space or a click expands; `_content()` draws it."""
+
+    BINDINGS = [Binding("enter,space", "toggle", "Expand", show=True)]
+    expanded = False
+
+    def _content(self) -> RenderableType:
+        raise NotImplementedError
+
+    def action_toggle(self) -> None:
+        self.expanded = not self.expanded
+        self.set_class(self.expanded, "expanded")
+        self.update(self._content())
+
+    def on_click(self) -> None:
+        self.action_toggle()
+
+
 class StreamView(OneLayout, Widget):
     """The streaming part of an assistant turn: one widget, only its last block re-rendered.
 
@@ -403,10 +421,8 @@ class AssistantEntry(OneLayout, Markdown):
         return super().mount_all(widgets, **kwargs)
 
 
-class ToolCard(OneLayout, Static, can_focus=True):
+class ToolCard(OneLayout, Expandable):
     """One tool call: spinner while it runs, then status and duration; Enter expands."""
-
-    BINDINGS = [Binding("enter,space", "toggle", "Expand", show=True)]
 
     def __init__(self, call_id: str, name: str, args: Any, show_timings: bool) -> None:
         super().__init__(classes="tool running")
@@ -447,14 +463,6 @@ class ToolCard(OneLayout, Static, can_focus=True):
         content = self._content()
         self.update(content, layout=content.plain.count("\n") != lines)
 
-    def action_toggle(self) -> None:
-        self.expanded = not self.expanded
-        self.set_class(self.expanded, "expanded")
-        self.update(self._content())
-
-    def on_click(self) -> None:
-        self.action_toggle()
-
     def _content(self) -> RenderableType:
         if self.status is None:
             mark = SPINNER[self.frame % len(SPINNER)] if self.show_timings else "…"
@@ -483,14 +491,12 @@ def _args_text(args: Any) -> str:
     return "" if args is None else str(args)
 
 
-class ToolFold(OneLayout, Static, can_focus=True):
+class ToolFold(OneLayout, Expandable):
     """Finished calls folded out of a busy turn: a one-line count; Enter lists them.
 
     A turn that makes hundreds of calls would otherwise keep hundreds of card widgets,
     and every layout pass of the screen walks all of them.
     """
-
-    BINDINGS = [Binding("enter,space", "toggle", "Expand", show=True)]
 
     def __init__(self, show_timings: bool) -> None:
         super().__init__(classes="tool fold")
@@ -521,14 +527,6 @@ class ToolFold(OneLayout, Static, can_focus=True):
 
     def refresh_content(self) -> None:
         self.update(self._content(), layout=self.expanded)
-
-    def action_toggle(self) -> None:
-        self.expanded = not self.expanded
-        self.set_class(self.expanded, "expanded")
-        self.update(self._content())
-
-    def on_click(self) -> None:
-        self.action_toggle()
 
     def _content(self) -> Text:
         head = Text(no_wrap=not self.expanded, overflow="ellipsis")
