@@ -168,12 +168,14 @@ def plot_learning(rows: Sequence[dict[str, Any]], path: Path, plt: Any) -> Path 
             alpha=0.5,
             label="training-rollout mean reward",
         )
-    ax.set_xlabel("minutes")
+    ax.set_xlabel("minutes since the first held-out evaluation")
     ax.set_ylabel("mean reward")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(-0.02, 1.1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("held-out reward: base → warm start → RL steps")
+    ax.set_title(
+        "held-out reward: before training (base), after the warm start, after RL step N", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
