@@ -453,7 +453,9 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
     )
     sampler = make_sampler(cfg, folder)
     env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
-    await asyncio.gather(env.start(), sampler.start())
+    # `--sft` on traces or demonstrations never samples: the engine stays unstarted
+    samples = not sft or cfg.sft.source == "rejection"
+    await asyncio.gather(env.start(), *([sampler.start()] if samples else []))
 
     async def episode(task: Any, scfg: Any) -> Rollout:
         res = env.run_episode(task, model_spec_or_factory=sampler, session_config=scfg)
