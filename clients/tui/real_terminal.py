@@ -37,7 +37,7 @@ PROMPT = (
     "Fix Cart.subtotal in shop/cart.py so it counts quantities."
 )
 SIZE = (120, 45)
-ENDED = re.compile(r"■ session \w+|✗ ")
+ENDED = re.compile(r"■ session \w+|^\s*✗ ", re.M)  # the end line, or an error note (not a failed tool card)
 PENDING = "a accept · r reject"
 
 
