@@ -78,6 +78,10 @@ class Trainer:
             from opencomposer.kernels.mx import to_mxfp8_training
 
             model = to_mxfp8_training(model) or model
+        else:  # an upcycled MoE trains on the grouped expert path; dense models are unchanged
+            from opencomposer.kernels.moe import use_grouped_experts
+
+            model = use_grouped_experts(model)
         self.model = model.to(self.device, dtype=torch.float32)
         self.model.train()
         if config.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):

@@ -129,6 +129,32 @@ def test_trainer_trains_upcycled_moe_in_mxfp8_and_saves_a_mixtral_checkpoint(tmp
     assert any(moved)
 
 
+def test_trainer_trains_upcycled_moe_in_bf16_on_the_grouped_path(tmp_path):
+    from opencomposer.kernels.moe import GroupedExperts
+    from opencomposer.training.rollouts import Sample
+    from opencomposer.training.trainer import Trainer, TrainerConfig
+
+    tiny_llama(tmp_path / "dense")
+    moe_dir = upcycle(tmp_path / "dense", tmp_path / "moe", num_experts=4, noise=0.01)
+    trainer = Trainer.from_pretrained(moe_dir, TrainerConfig(lr=3e-3, precision="bf16"))
+    experts = trainer.model.model.layers[0].mlp.experts
+    assert isinstance(experts, GroupedExperts) and experts.mx is None
+    gen = torch.Generator().manual_seed(3)
+    samples = [
+        Sample(
+            input_ids=torch.randint(0, VOCAB, (40,), generator=gen).tolist(),
+            mask=[0] * 8 + [1] * 32,
+            old_logprobs=[0.0] * 40,
+            advantage=1.0,
+        )
+        for _ in range(4)
+    ]
+    losses = [trainer.step(samples)["loss"] for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    trainer.save(tmp_path / "trained")  # the same Mixtral names as before the swap
+    assert set(load(tmp_path / "trained").state_dict()) == set(load(moe_dir).state_dict())
+
+
 VLLM_SCRIPT = textwrap.dedent(
     """
     import json, sys
