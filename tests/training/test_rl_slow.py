@@ -64,7 +64,11 @@ def test_train_moves_weights_versions_metrics_and_resumes(tmp_path):
     assert rows[-1]["weight_version"] == len(trained)
     for r in trained:
         assert r["completion_tokens"] > 0 and r["grad_norm"] > 0 and r["sync_s"] > 0
-        assert r["kl_old"] < 0.05  # the trainer reproduces the sampler's logprobs
+        assert r["kl_old"] < 0.5  # a misaligned token or logprob would be far above
+    # the first trained step's rollouts were all sampled by the weights it trains, so
+    # there the trainer must reproduce the sampler's logprobs (later steps may train on
+    # turns one version old, after a 1e-4 step: a real policy change, not a mismatch)
+    assert trained[0]["kl_old"] < 0.05
     base = load_file(str(smollm2_path() / "model.safetensors"))
     new = load_file(str(out / "checkpoints" / "step_2" / "model.safetensors"))
     key = "model.layers.0.self_attn.q_proj.weight"
