@@ -37,7 +37,8 @@ PROMPT = (
     "Fix Cart.subtotal in shop/cart.py so it counts quantities."
 )
 SIZE = (120, 45)
-ENDED = re.compile(r"■ session \w+|^\s*✗ ", re.M)  # the end line, or an error note (not a failed tool card)
+# the end line, or an error note at a line start (not the mark of a failed tool card)
+ENDED = re.compile(r"■ session \w+|^\s*✗ ", re.M)
 PENDING = "a accept · r reject"
 
 
