@@ -280,7 +280,7 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
         chosen = chosen[: cfg.sft.max_examples]
         stats = []
         if chosen:
-            stats = await asyncio.to_thread(
+            stats = await run.trainer.run(
                 fit,
                 run.trainer,
                 chosen,
@@ -397,7 +397,7 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
             t1 = time.perf_counter()
             samples, bstats = build_samples(groups, estimator=cfg.algo.estimator)
             bstats.groups_dropped_stale = scheduler.dropped_stale
-            train = await asyncio.to_thread(run.trainer.step, samples)
+            train = await run.trainer.run(run.trainer.step, samples)
             t2 = time.perf_counter()
             sync_s = 0.0
             if not train.get("skipped"):

@@ -23,10 +23,15 @@ Run the tests: ``.venv/bin/python -m pytest tests/training/test_trainer.py -q``.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
+import functools
 import math
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -95,6 +100,8 @@ class Trainer:
         )
         self.step_count = 0
         self.version = 0  # bumps once per applied (non-skipped) step
+        # All training work runs on this one thread (see `run`).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self.source_dir: Path | None = None  # tokenizer files are copied from here on save
         # the system-prompt style the policy is trained with; saved checkpoints say it
         # (opencomposer.json) so the agent prompts a trained folder the same way
@@ -168,6 +175,17 @@ class Trainer:
         full_ent = ent.new_zeros(sel.shape)
         full_ent[sel] = ent[0]
         return full_lp, full_ent
+
+    async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args, **kwargs)` off the event loop on the trainer's own thread.
+
+        Always the same thread: glibc gives each thread that allocates its own malloc
+        arena and keeps what is freed there, so steps spread over a thread pool grew
+        the process by gigabytes (6 GB to 17 GB in 3 steps of the 135M model) where one
+        thread levels off. Memory the step freed is handed back to the system after."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(_then_trim, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._thread, call)
 
     def step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One optimizer step over ``samples``; returns the step's statistics."""
@@ -358,3 +376,19 @@ def tiny_llama(seed: int = 0, vocab_size: int = 64) -> torch.nn.Module:
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(cfg)
+
+
+try:
+    _MALLOC_TRIM = getattr(
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None
+    )
+except OSError:  # no C library to open by name: nothing to trim
+    _MALLOC_TRIM = None
+
+
+def _then_trim(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    finally:
+        if _MALLOC_TRIM is not None:
+            _MALLOC_TRIM(0)

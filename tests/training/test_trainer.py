@@ -128,3 +128,14 @@ def test_upcycled_moe_model_trains(tmp_path):
     assert tr.step(samples())["skipped"] == 0
     after = params(tr.model)
     assert any(not torch.equal(before[k], after[k]) for k in before if "experts" in k)
+
+
+async def test_trainer_work_runs_on_its_one_thread():
+    import threading
+
+    tr = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="fp32"))
+    names = {await tr.run(lambda: threading.current_thread().name) for _ in range(5)}
+    assert len(names) == 1 and names.pop().startswith("trainer")
+    assert await tr.run(lambda a, *, b: a + b, 2, b=3) == 5
+    with pytest.raises(ZeroDivisionError):
+        await tr.run(lambda: 1 / 0)
