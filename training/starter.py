@@ -5,9 +5,11 @@ gives byte-identical task folders):
 
 - `find` — a value sits in one of a few config/source files; report it. Verify
   greps the final answer (written to `.opencomposer/answer.txt`) for the value.
-- `fix` — a one-line bug (flipped operator, off-by-one, wrong variable) that a
-  given test exposes; the query quotes the test and its failure. Verify runs the
-  test (protected: restored before grading).
+- `fix` — a one-line bug (flipped operator, off-by-one, wrong variable, a total
+  that drops a factor, in a function or a method) in a module at the top or inside
+  a package (`billing/util.py`), that a given test exposes; the query names the
+  file and quotes the failing test, its assertion or the intended behaviour.
+  Verify runs the test (protected: restored before grading).
 - `rename` — rename a function across the files that define and use it.
 
 Rewards are graded so that a small model learns step by step: a share for making
@@ -35,11 +37,12 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from opencomposer.training.tasks import ANSWER_FILE, write_task
 
-VERSION = 2
+VERSION = 3
 SOLUTION = "solution.json"  # {"answer": str, "edits": [{"path", "old", "new"}]}
 DEFAULT_SEED = 0
 DEFAULT_PER_KIND = 24
@@ -191,64 +194,215 @@ def _find_task(rng: random.Random, out: Path, task_id: str) -> Path:
 
 # ---------------------------------------------------------------- fix a one-line bug
 
-_BUGS = [
-    # (function body with {op} placeholder, good, bad, args, expected)
-    ("def {fn}(a, b):\n    return a {op} b\n", "+", "-", (2, 3), 5),
-    ("def {fn}(a, b):\n    return a {op} b\n", "*", "+", (4, 5), 20),
-    ("def {fn}(xs):\n    return max(xs) if xs else {op}\n", "0", "None", ([],), 0),
-    ("def {fn}(n):\n    return [i for i in range({op})]\n", "n", "n - 1", (3,), [0, 1, 2]),
-    ("def {fn}(a, b):\n    return a if a {op} b else b\n", ">", "<", (7, 2), 7),
-    ("def {fn}(s):\n    return s.{op}()\n", "upper", "lower", ("ab",), "AB"),
-    ("def {fn}(xs):\n    return sum(xs) / {op}\n", "len(xs)", "(len(xs) + 1)", ([2, 4],), 3.0),
-    ("def {fn}(a, b):\n    return {op}\n", "a - b", "b - a", (9, 4), 5),
+
+@dataclass(frozen=True, kw_only=True)
+class _Bug:
+    """One bug shape: the module text with `{op}` where the good and the bad code differ."""
+
+    module: str  # the whole module, `{op}` marks the buggy spot (on one line)
+    good: str
+    bad: str
+    call: str  # the test's expression
+    expected: object
+    target: str  # what the query names: `fn` or `Cls.method`
+    imports: tuple[str, ...]  # the names the test imports from the module
+    hint: str  # what the fixed code does, for "so it ..." queries
+
+
+_FIELDS = [
+    ("price", "quantity"),
+    ("cost", "count"),
+    ("amount", "units"),
+    ("rate", "hours"),
+    ("weight", "qty"),
+    ("fee", "seats"),
 ]
+_CLASSES = ["Item", "Line", "Entry", "Row", "Order", "Slot"]
+
+
+def _simple(body: str, good: str, bad: str, args: tuple, expected: object, hint: str) -> Callable:
+    def make(rng: random.Random) -> _Bug:
+        fn = f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}"
+        call = f"{fn}({', '.join(repr(a) for a in args)})"
+        return _Bug(
+            module=body.replace("{fn}", fn),
+            good=good,
+            bad=bad,
+            call=call,
+            expected=expected,
+            target=fn,
+            imports=(fn,),
+            hint=hint,
+        )
+
+    return make
+
+
+def _sum_of_products(rng: random.Random) -> _Bug:
+    """A total that drops a factor (`sum(x.price ...)` for `sum(x.price * x.quantity ...)`),
+    as a function over a list or as a method over a container's own list."""
+    a, b = rng.choice(_FIELDS)
+    cls = rng.choice(_CLASSES)
+    fn = f"{rng.choice(['total', 'sum', 'compute', 'get'])}_{a}"
+    head = (
+        "from dataclasses import dataclass, field\n\n\n@dataclass\nclass {cls}:\n"
+        f"    name: str\n    {a}: float\n    {b}: int = 1\n\n\n"
+    ).replace("{cls}", cls)
+    rows = f'[{cls}("x", 0.5, 4), {cls}("y", 1.25)]'
+    good, bad = f"row.{a} * row.{b}", f"row.{a}"
+    if rng.random() < 0.5:
+        module = head + f"def {fn}(rows):\n    return sum({{op}} for row in rows)\n"
+        return _Bug(
+            module=module,
+            good=good,
+            bad=bad,
+            call=f"{fn}({rows})",
+            expected=3.25,
+            target=fn,
+            imports=(fn, cls),
+            hint=f"it counts {b}",
+        )
+    holder = rng.choice(["Cart", "Basket", "Invoice", "Batch", "Ledger"])
+    meth = rng.choice(["subtotal", "total", "sum", f"total_{a}"])
+    module = head + (
+        f"@dataclass\nclass {holder}:\n    rows: list[{cls}] = field(default_factory=list)\n\n"
+        f"    def {meth}(self) -> float:\n        return sum({{op}} for row in self.rows)\n"
+    )
+    return _Bug(
+        module=module,
+        good=good,
+        bad=bad,
+        call=f"{holder}({rows}).{meth}()",
+        expected=3.25,
+        target=f"{holder}.{meth}",
+        imports=(holder, cls),
+        hint=f"it counts {b}",
+    )
+
+
+_BUGS: list[Callable[[random.Random], _Bug]] = [
+    _simple("def {fn}(a, b):\n    return a {op} b\n", "+", "-", (2, 3), 5, "it adds"),
+    _simple("def {fn}(a, b):\n    return a {op} b\n", "*", "+", (4, 5), 20, "it multiplies"),
+    _simple(
+        "def {fn}(xs):\n    return max(xs) if xs else {op}\n",
+        "0",
+        "None",
+        ([],),
+        0,
+        "an empty list gives 0",
+    ),
+    _simple(
+        "def {fn}(n):\n    return [i for i in range({op})]\n",
+        "n",
+        "n - 1",
+        (3,),
+        [0, 1, 2],
+        "it returns n numbers",
+    ),
+    _simple(
+        "def {fn}(a, b):\n    return a if a {op} b else b\n",
+        ">",
+        "<",
+        (7, 2),
+        7,
+        "it returns the larger one",
+    ),
+    _simple(
+        "def {fn}(s):\n    return s.{op}()\n",
+        "upper",
+        "lower",
+        ("ab",),
+        "AB",
+        "it returns upper case",
+    ),
+    _simple(
+        "def {fn}(xs):\n    return sum(xs) / {op}\n",
+        "len(xs)",
+        "(len(xs) + 1)",
+        ([2, 4],),
+        3.0,
+        "it returns the mean",
+    ),
+    _simple("def {fn}(a, b):\n    return {op}\n", "a - b", "b - a", (9, 4), 5, "it returns a - b"),
+    _simple(
+        "def {fn}(xs, limit):\n    return [x for x in xs if x {op} limit]\n",
+        ">=",
+        ">",
+        ([1, 2, 3], 2),
+        [2, 3],
+        "it keeps values equal to the limit",
+    ),
+    _simple(
+        "def {fn}(total, percent):\n    return round(total * (1 {op} percent / 100), 2)\n",
+        "-",
+        "+",
+        (20.0, 10),
+        18.0,
+        "it subtracts the discount",
+    ),
+    _sum_of_products,
+    _sum_of_products,
+]
+_PACKAGES = ["app", "shop", "lib", "store", "billing", "core", "service", "src/app"]
 
 
 def _fix_task(rng: random.Random, out: Path, task_id: str) -> Path:
-    body, good, bad, args, expected = rng.choice(_BUGS)
-    fn = f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}"
+    bug = rng.choice(_BUGS)(rng)
     mod = rng.choice(_MODULES)
-    helper = f"def describe():\n    return {mod!r}\n\n\n"
-    broken = helper + body.format(fn=fn, op=bad)
-    call = f"{fn}({', '.join(repr(a) for a in args)})"
+    pkg = rng.choice(_PACKAGES) if rng.random() < 0.6 else ""
+    path = f"{pkg}/{mod}.py" if pkg else f"{mod}.py"
+    dotted = f"{pkg.replace('/', '.')}.{mod}" if pkg else mod
+    broken = bug.module.replace("{op}", bug.bad)
+    test_name = f"test_{bug.target.split('.')[-1].lower()}"
+    test_path = f"tests/test_{mod}.py"
     test = (
         "import os\nimport sys\n\nsys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n\n"
-        f"from {mod} import {fn}\n\n\n"
-        f"def test_{fn}():\n    assert {call} == {expected!r}\n\n\n"
-        f'if __name__ == "__main__":\n    test_{fn}()\n    print("ok")\n'
+        f"from {dotted} import {', '.join(bug.imports)}\n\n\n"
+        f"def {test_name}():\n    assert {bug.call} == {bug.expected!r}\n\n\n"
+        f'if __name__ == "__main__":\n    {test_name}()\n    print("ok")\n'
     )
-    files = {f"{mod}.py": broken, f"tests/test_{mod}.py": test}
+    files = {path: broken, test_path: test}
+    if pkg:  # every folder on the way is a package
+        parts = pkg.split("/")
+        for k in range(1, len(parts) + 1):
+            files["/".join(parts[:k]) + "/__init__.py"] = ""
     ns: dict[str, object] = {}
-    exec(helper + body.format(fn=fn, op=bad), ns)  # the generator checks its own bug
-    assert ns[fn](*args) != expected, (fn, bad)
-    query = (
-        f"tests/test_{mod}.py fails: `assert {call} == {expected!r}` raises AssertionError. "
-        f"Fix the bug in {mod}.py (one line) so the test passes."
-    )
-    old_line = body.format(fn=fn, op=bad).splitlines()[1]
-    new_line = body.format(fn=fn, op=good).splitlines()[1]
-    solution = {
-        "answer": "Fixed.",
-        "edits": [{"path": f"{mod}.py", "old": old_line, "new": new_line}],
-    }
+    exec(broken, ns)  # the generator checks its own bug
+    assert eval(bug.call, ns) != bug.expected, (bug.target, bug.bad)
+    style = rng.randrange(3)
+    if style == 0:
+        query = (
+            f"{test_path} fails: `assert {bug.call} == {bug.expected!r}` raises AssertionError. "
+            f"Fix the bug in {path} (one line) so the test passes."
+        )
+    elif style == 1:
+        query = f"The test {test_name} fails. Fix {bug.target} in {path} so {bug.hint}."
+    else:
+        query = f"`{bug.call}` should return {bug.expected!r}. Fix {bug.target} in {path}."
+    (old_line,) = [
+        ln for ln in broken.splitlines() if bug.bad in ln and ln.strip().startswith("return")
+    ]
+    new_line = old_line.replace(bug.bad, bug.good, 1)
+    assert bug.module.replace("{op}", bug.good).count(new_line) == 1
+    solution = {"answer": "Fixed.", "edits": [{"path": path, "old": old_line, "new": new_line}]}
     return _task(
         out,
         task_id,
         files,
         solution,
         query=query,
-        verify=f"python tests/test_{mod}.py",
+        verify=f"python {test_path}",
         timeout_s=180,
         command_timeout_s=20,
-        protect=[f"tests/test_{mod}.py"],
+        protect=[test_path],
         reward={
             "verify": 0.7,
             "tool_call": 0.2,
             # partial credit for an edit that leaves the module valid Python
             "checks": [
                 {
-                    "command": f"python -m py_compile {mod}.py && "
-                    f"! (echo '{hashlib.sha256(broken.encode()).hexdigest()}  {mod}.py' | sha256sum -c --status)",
+                    "command": f"python -m py_compile {path} && "
+                    f"! (echo '{hashlib.sha256(broken.encode()).hexdigest()}  {path}' | sha256sum -c --status)",
                     "weight": 0.1,
                 }
             ],
