@@ -6,7 +6,8 @@ draws exactly as it would for a person), on a fresh git copy of
 `smollm2`). It types the demo's request, waits for the session to end, focuses the
 first edit (ctrl+n), accepts it (a), then checks that the edit is marked accepted on
 screen and that a file on disk differs from the sample. The final screen is printed
-and saved as text.
+and saved as text, and the sample's tests are run on the edited copy (reported: a
+small model's accepted edit is not always a correct one).
 
     .venv/bin/python -m opencomposer.clients.tui.real_terminal \\
         [--model smollm2] [--prompt TEXT] [--timeout 900] [--out DIR] [--keep]
@@ -138,6 +139,21 @@ def changed_files(repo: Path) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
+def run_tests(repo: Path) -> str:
+    """The sample's own test suite on the edited copy: whether the edit fixed the bug
+    (reported beside the result; the exit status is about the accepted edit)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    tail = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    return ("pass" if proc.returncode == 0 else "fail") + f" ({tail})"
+
+
 def tui_command(workspace: Path, model: str) -> list[str]:
     script = Path(sys.executable).parent / "opencomposer"
     base = [str(script)] if script.exists() else [sys.executable, "-m", "opencomposer.server.cli"]
@@ -266,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["git", "-C", str(repo), "diff"], capture_output=True, text=True, check=False
             ).stdout
             print(f"changed on disk: {', '.join(outcome.changed)}\n{diff.rstrip()}")
+            print(f"sample's tests after the edit: {run_tests(repo)}")
         verdict = "accepted edit" if code == 0 else f"no accepted edit: {outcome.reason}"
         print(f"result: {verdict}")
     except Failed as exc:

@@ -45,6 +45,7 @@ def test_real_terminal_prompt_to_accepted_edit(tmp_path, capsys):
     assert "■ session completed" in screen
     assert "+        return sum(item.price * item.quantity for item in self.items)" in out
     assert "result: accepted edit" in out
+    assert "sample's tests after the edit: pass (3 passed" in out
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
