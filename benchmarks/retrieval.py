@@ -11,9 +11,11 @@ Systems, all in the same run on the same stripped code:
   - `minilm-windows`  all-MiniLM-L6-v2 (fp32, 256 tokens) over 40-line windows,
   - `index`           CodebaseIndex.search: tree-sitter chunks, fused dense + lexical,
   - `index-dense`, `index-lexical`: each half of the index alone,
-  - `index-fp32`      the index with fp32 embeddings, to check that bf16 keeps quality.
+  - `index-<dtype>`   the index at another embedding precision (`--compare`, default
+                      fp32), to check that the default (int8 where the CPU has VNNI,
+                      else bf16/fp32) keeps quality.
 
-Run: `.venv/bin/python benchmarks/retrieval.py [--fresh] [--max-queries N] [--no-fp32]`
+Run: `.venv/bin/python benchmarks/retrieval.py [--fresh] [--max-queries N] [--dtype D] [--compare fp32,bf16]`
 (a few minutes on 2 cores). Target: index MRR@10 >= minilm-windows + 0.10.
 Every setting of the index was chosen on LIBRARIES; `--fresh` scores three
 other libraries (FRESH), picked before any look at them, to show the gain holds
@@ -270,7 +272,7 @@ def run_index(
         os.environ["OPENCOMPOSER_EMBED_DTYPE"] = dtype
     index = CodebaseIndex.open(workspace)
     stats = index.refresh()
-    print(f"  built: {stats.files} files, {stats.chunks} chunks, {stats.chunks_embedded} embedded "
+    print(f"  built ({index.embedder.config.dtype}): {stats.files} files, {stats.chunks} chunks, {stats.chunks_embedded} embedded "
           f"in {stats.seconds - stats.load_seconds:.1f} s ({stats.chunks_per_s:.0f} chunks/s)", file=sys.stderr)  # fmt: skip
     spans = lambda ids: [index._meta[i][:3] for i in ids]  # noqa: E731
     fused, dense, lexical = [], [], []
@@ -294,8 +296,9 @@ def report(title: str, targets: list[Target], ranked: dict[str, list[list[Span]]
     print(f"index - minilm-windows MRR@10 = {gain:+.3f} (target >= +0.10: {'met' if gain >= 0.10 else 'NOT met'})")  # fmt: skip
     fused = results["index"]["mrr@10"]
     print(f"fusion vs dense alone: {fused - results['index-dense']['mrr@10']:+.3f}; vs lexical alone: {fused - results['index-lexical']['mrr@10']:+.3f}")  # fmt: skip
-    if "index-fp32" in results:
-        print(f"bf16 vs fp32 index MRR@10: {fused - results['index-fp32']['mrr@10']:+.3f}")
+    for name in results:
+        if name.startswith("index-") and name not in ("index-dense", "index-lexical"):
+            print(f"index vs {name} MRR@10: {fused - results[name]['mrr@10']:+.3f}")
     libs = sorted({t.path.split("/")[0] for t in sub})
     if len(libs) > 1:
         for lib in libs:
@@ -308,7 +311,13 @@ def report(title: str, targets: list[Target], ranked: dict[str, list[list[Span]]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-queries", type=int, default=0, help="0: all")
-    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 index run")
+    ap.add_argument(
+        "--dtype", help="the index's embedding precision (default: the index's own default)"
+    )
+    ap.add_argument(
+        "--compare", default="fp32", help="comma-separated precisions to run as well ('' for none)"
+    )
+    ap.add_argument("--no-fp32", action="store_true", help="same as --compare ''")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
         "--fresh",
@@ -339,7 +348,8 @@ def main() -> int:
     print(f"  minilm windows done ({fp32_rate:.0f} windows/s fp32)", file=sys.stderr)
 
     chunks = 0
-    runs = [("index", None)] + ([] if args.no_fp32 else [("index-fp32", "fp32")])
+    compare = [] if args.no_fp32 else [d for d in args.compare.split(",") if d]
+    runs = [("index", args.dtype)] + [(f"index-{d}", d) for d in compare]
     for name, dtype in runs:
         copy = CACHE / f"ws-{name}{'-fresh' if args.fresh else ''}"
         if copy.exists():

