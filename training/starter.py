@@ -249,33 +249,25 @@ def _sum_of_products(rng: random.Random) -> _Bug:
         f"    name: str\n    {a}: float\n    {b}: int = 1\n\n\n"
     ).replace("{cls}", cls)
     rows = f'[{cls}("x", 0.5, 4), {cls}("y", 1.25)]'
-    good, bad = f"row.{a} * row.{b}", f"row.{a}"
     if rng.random() < 0.5:
         module = head + f"def {fn}(rows):\n    return sum({{op}} for row in rows)\n"
-        return _Bug(
-            module=module,
-            good=good,
-            bad=bad,
-            call=f"{fn}({rows})",
-            expected=3.25,
-            target=fn,
-            imports=(fn, cls),
-            hint=f"it counts {b}",
+        call, target, imports = f"{fn}({rows})", fn, (fn, cls)
+    else:
+        holder = rng.choice(["Cart", "Basket", "Invoice", "Batch", "Ledger"])
+        meth = rng.choice(["subtotal", "total", "sum", f"total_{a}"])
+        module = head + (
+            f"@dataclass\nclass {holder}:\n    rows: list[{cls}] = field(default_factory=list)\n\n"
+            f"    def {meth}(self) -> float:\n        return sum({{op}} for row in self.rows)\n"
         )
-    holder = rng.choice(["Cart", "Basket", "Invoice", "Batch", "Ledger"])
-    meth = rng.choice(["subtotal", "total", "sum", f"total_{a}"])
-    module = head + (
-        f"@dataclass\nclass {holder}:\n    rows: list[{cls}] = field(default_factory=list)\n\n"
-        f"    def {meth}(self) -> float:\n        return sum({{op}} for row in self.rows)\n"
-    )
+        call, target, imports = f"{holder}({rows}).{meth}()", f"{holder}.{meth}", (holder, cls)
     return _Bug(
         module=module,
-        good=good,
-        bad=bad,
-        call=f"{holder}({rows}).{meth}()",
+        good=f"row.{a} * row.{b}",
+        bad=f"row.{a}",
+        call=call,
         expected=3.25,
-        target=f"{holder}.{meth}",
-        imports=(holder, cls),
+        target=target,
+        imports=imports,
         hint=f"it counts {b}",
     )
 
