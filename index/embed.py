@@ -281,14 +281,16 @@ class _MeanPooled:
     """
 
     def __init__(self, tokenizer: Any, model: Any, max_tokens: int, dtype: str):
-        self.tokenizer, self.hf, self.max_tokens = tokenizer, model, max_tokens
-        # BERT (MiniLM) runs through our own forward pass; anything else through the HF model.
+        self.tokenizer, self.max_tokens, self.config = tokenizer, max_tokens, model.config
+        # BERT (MiniLM) runs through our own forward pass (which holds its own copy of the
+        # weights, so the HF model is dropped); anything else through the HF model.
         self.bert = _Bert(model, dtype) if _Bert.supports(model) else None
+        self.hf = None if self.bert is not None else model
         if self.bert is None and dtype == "int8":
             raise EmbedderError(f"int8 needs a BERT model, not {model.config.model_type}: use bf16 or fp32")  # fmt: skip
 
     def get_embedding_dimension(self) -> int:
-        return int(self.hf.config.hidden_size)
+        return int(self.config.hidden_size)
 
     def tokenize(self, texts: list[str]) -> Any:
         return self.tokenizer(
