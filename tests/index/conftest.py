@@ -44,6 +44,18 @@ def embedder_env(tiny_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tiny_embedder
 
 
+@pytest.fixture
+def cls_pooled_embedder(tiny_embedder: Path, tmp_path: Path) -> Path:
+    """The tiny model with CLS pooling instead of mean pooling (not our BERT fast path)."""
+    folder = tmp_path / "cls"
+    shutil.copytree(tiny_embedder, folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    config = json.loads(pooling.read_text())
+    config.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    pooling.write_text(json.dumps(config))
+    return folder
+
+
 SAMPLE = {
     "src/retry.py": '''"""Retry helpers."""
 import time

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -47,14 +46,9 @@ def test_reduced_precision_stays_close(tiny_embedder: Path, dtype: str) -> None:
 
 
 def test_other_poolings_go_through_sentence_transformers(
-    tiny_embedder: Path, tmp_path: Path
+    tiny_embedder: Path, cls_pooled_embedder: Path
 ) -> None:
-    cls_folder = tmp_path / "cls"
-    shutil.copytree(tiny_embedder, cls_folder)
-    pooling = cls_folder / "1_Pooling" / "config.json"
-    config = json.loads(pooling.read_text())
-    config.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
-    pooling.write_text(json.dumps(config))
+    cls_folder = cls_pooled_embedder
     assert not _is_mean_pooled(cls_folder)
     vecs = Embedder(EmbedderConfig(folder=cls_folder, dtype="fp32")).encode(TEXTS)
     np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)

@@ -8,8 +8,6 @@ Run: `.venv/bin/python -m pytest tests/index/test_index_int8.py -q`
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -144,13 +142,8 @@ def test_bad_precision_is_one_clear_line(
         EmbedderConfig.resolve()
 
 
-def test_int8_needs_a_mean_pooled_bert(tiny_embedder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    cls_folder = tmp_path / "cls"
-    shutil.copytree(tiny_embedder, cls_folder)
-    pooling = cls_folder / "1_Pooling" / "config.json"
-    config = json.loads(pooling.read_text())
-    config.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
-    pooling.write_text(json.dumps(config))
+def test_int8_needs_a_mean_pooled_bert(cls_pooled_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    cls_folder = cls_pooled_embedder
     monkeypatch.setattr(embed, "_cpu_flags", lambda: frozenset({"avx512_vnni"}))
     monkeypatch.delenv(embed.DTYPE_ENV, raising=False)
     assert EmbedderConfig.resolve(cls_folder).dtype == "fp32"  # the default falls back
