@@ -140,6 +140,9 @@ def test_bad_precision_is_one_clear_line(
     monkeypatch.setenv(embed.TOKENS_ENV, "lots")
     with pytest.raises(EmbedderError, match="positive whole number, not 'lots'"):
         EmbedderConfig.resolve()
+    monkeypatch.setenv(embed.THREADS_ENV, "two")
+    with pytest.raises(EmbedderError, match="positive whole number, not 'two'"):
+        Embedder._threads(100)
 
 
 def test_int8_needs_a_mean_pooled_bert(cls_pooled_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
