@@ -84,6 +84,7 @@ class RunSection:
     seed: int = 0
     out: str = "runs/starter"
     checkpoint_every: int = 5
+    keep_checkpoints: int = 3  # newest complete checkpoints kept (0: all); ~1.6 GB each for 135M
     progress: bool = True
 
 
@@ -169,6 +170,8 @@ def parse_config(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("rollout.max_inflight must be at least rollout.groups_per_step (>= 1)")
     if cfg.run.steps < 0 or cfg.optim.micro_batch_size < 1:
         raise ConfigError("run.steps must be >= 0 and optim.micro_batch_size >= 1")
+    if cfg.run.keep_checkpoints < 0:
+        raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     return cfg
 
 

@@ -55,7 +55,12 @@ from opencomposer.training.rollouts import (
     build_samples,
     turn_from,
 )
-from opencomposer.training.trainer import Trainer, TrainerConfig, latest_checkpoint
+from opencomposer.training.trainer import (
+    Trainer,
+    TrainerConfig,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 from opencomposer.training.weight_sync import ModuleReceiver, VersionedModel, WeightSync
 
 OK_STATUSES = frozenset({"completed", "max_turns", "max_tokens"})
@@ -430,6 +435,7 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
                     out / "checkpoints" / f"step_{step}",
                     extra={"step": step, "task_cursor": tasks.n},
                 )
+                prune_checkpoints(out, cfg.run.keep_checkpoints)
     finally:
         await scheduler.close()
     plot_metrics(out / "metrics.jsonl", out)

@@ -360,6 +360,20 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (0 keeps all); returns the
+    deleted folders. Incomplete ones (no state file yet) are left alone."""
+    root = run_dir / "checkpoints"
+    if keep <= 0 or not root.is_dir():
+        return []
+    done = [p for p in root.glob("step_*") if (p / STATE_FILE).exists()]
+    done.sort(key=lambda p: int(p.name.split("_")[1]))
+    old = done[:-keep]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 64) -> torch.nn.Module:
     """A tiny random Llama (two layers, width 32): the test double for trainer code paths."""
     from transformers import LlamaConfig, LlamaForCausalLM

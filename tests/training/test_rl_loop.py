@@ -20,12 +20,17 @@ class NullModel:
         pass
 
 
-def make_run(tmp_path, *, steps=3, crash_every=0):
+def make_run(tmp_path, *, steps=3, crash_every=0, keep=3):
     cfg = parse_config(
         {
             "rollout": {"group_size": 4, "groups_per_step": 2, "mode": "async", "max_inflight": 3},
             "optim": {"lr": 1e-2, "micro_batch_size": 4},
-            "run": {"steps": steps, "checkpoint_every": 2, "progress": False},
+            "run": {
+                "steps": steps,
+                "checkpoint_every": 2,
+                "keep_checkpoints": keep,
+                "progress": False,
+            },
             "tasks": {"eval_every": 2, "eval_samples": 1},
         }
     )
@@ -112,6 +117,18 @@ async def test_stopped_run_resumes_from_its_checkpoint(tmp_path):
     steps = [r["step"] for r in lines(tmp_path)]
     assert steps == [0, 1, 2, 3, 4]  # nothing redone, nothing skipped
     assert run.trainer.version == 4 and run.sampler.weight_version == 4
+
+
+async def test_old_checkpoints_are_pruned_and_the_newest_resumes(tmp_path):
+    await run_loop(make_run(tmp_path, steps=6, keep=2))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_4", "step_6"]  # step_2 deleted: ~1.6 GB each for the 135M model
+    run = make_run(tmp_path, steps=7, keep=2)
+    await run_loop(run)
+    assert run.trainer.version == 7
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_7"]
+    with pytest.raises(ConfigError, match="keep_checkpoints must be >= 0"):
+        parse_config({"run": {"keep_checkpoints": -1}})
 
 
 async def test_crashing_rollouts_are_counted_and_training_goes_on(tmp_path):
