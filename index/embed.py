@@ -194,12 +194,10 @@ class Embedder:
         threads = self._threads(len(texts))
         with self._lock, torch.inference_mode():
             try:
-                if threads > 1 and len(batches) > 1:
-                    torch.set_num_threads(1)
-                    self._encode_parallel(model, capped, batches, out, progress, threads)
-                else:
-                    torch.set_num_threads(threads)
-                    self._encode_serial(model, capped, batches, out, progress)
+                # several batches: one worker per thread; one batch: torch's threads split its ops
+                workers = threads if len(batches) > 1 else 1
+                torch.set_num_threads(1 if workers > 1 else threads)
+                self._encode_batches(model, capped, batches, out, progress, workers)
             finally:
                 torch.set_num_threads(previous)
         # bf16 normalisation leaves norms near 1.005; inner products need exactly 1.
@@ -210,7 +208,7 @@ class Embedder:
     def _threads(n_texts: int) -> int:
         """One thread for a query or a handful of texts; for more, one worker per core.
 
-        Workers each run whole batches on one torch thread (`_encode_parallel`),
+        Workers each run whole batches on one torch thread (`_encode_batches`),
         so no core ever waits for another: with torch's own threads splitting
         every op, a busy machine made them wait on each other at every op
         (measured at load 25 on 2 cores: one query 60 ms on 1 thread, 1.2 s on 2).
@@ -222,23 +220,7 @@ class Embedder:
         return 1 if n_texts <= 4 else (os.cpu_count() or 1)
 
     @staticmethod
-    def _encode_serial(
-        model: Any,
-        texts: list[str],
-        batches: list[np.ndarray],
-        out: np.ndarray,
-        progress: Callable[[int], None] | None,
-    ) -> None:
-        """Encode batches one after another (torch's intra-op threads, if any, split each op)."""
-        done = 0
-        for idx in batches:
-            out[idx] = model.encode([texts[j] for j in idx])
-            done += len(idx)
-            if progress:
-                progress(done)
-
-    @staticmethod
-    def _encode_parallel(
+    def _encode_batches(
         model: Any,
         texts: list[str],
         batches: list[np.ndarray],
@@ -246,7 +228,8 @@ class Embedder:
         progress: Callable[[int], None] | None,
         workers: int,
     ) -> None:
-        """Whole batches on `workers` threads of one torch thread each.
+        """Encode batches into out's rows: in order on this thread (workers == 1), or whole
+        batches on `workers` threads of one torch thread each.
 
         Tokenizing and the model's ops release the GIL, so the workers run in
         parallel, and one stalled core (another process's turn) holds up only
@@ -257,13 +240,14 @@ class Embedder:
         import torch
 
         def run(idx: np.ndarray) -> int:
-            torch.set_num_threads(1)  # per OS thread under OpenMP
+            if workers > 1:
+                torch.set_num_threads(1)  # per OS thread under OpenMP
             out[idx] = model.encode([texts[j] for j in idx])
             return len(idx)
 
         done = 0
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed") as pool:
-            for n in pool.map(run, batches):
+            for n in pool.map(run, batches) if workers > 1 else map(run, batches):
                 done += n
                 if progress:
                     progress(done)
