@@ -10,9 +10,11 @@ Speed on a 2-core CPU comes from these choices, each measured in
 
 - int8 where the CPU has int8 dot products (AVX512-VNNI, AVX-VNNI, AMX): the
   linear layers run W8A8 (`_Int8Dense`: int8 weights per output channel,
-  activations quantized per token at run time, `torch._int_mm`), everything
-  else in fp32. Cosine to fp32 vectors 0.998; retrieval MRR@10 within 0.01 of
-  fp32 (see the README's figures). torch's `quantize_dynamic` (one activation
+  activations quantized per token at run time, `torch._int_mm`); all the work
+  between two GEMMs (dequantize, GELU or residual + LayerNorm, quantize for
+  the next GEMM) is one fused numba kernel (`fused`), and attention runs in
+  bf16. Cosine to fp32 vectors 0.998; retrieval MRR@10 within 0.01 of fp32
+  (see the README's figures). torch's `quantize_dynamic` (one activation
   scale per tensor, 7 bits) was rejected: cosine 0.93 and barely faster.
   Else bf16 where the CPU has native bf16 (avx512_bf16 / AMX), else fp32.
 - A token budget of 64 per chunk: the embedded text starts with the symbol,
@@ -20,8 +22,8 @@ Speed on a 2-core CPU comes from these choices, each measured in
   signature and first lines; the lexical index sees the whole chunk. 64 tokens
   cost 0.005 MRR@10 against 128 and run twice as fast; 32 cost 0.05.
 - Batches of similar length (one sort over every text of a build), so little
-  compute goes to padding; small batches for int8 (8 texts: its element-wise
-  quantize/dequantize passes stay in cache), 64 for bf16/fp32 (bigger GEMMs).
+  compute goes to padding; 8 texts for int8 (8 to 32 measured the same, and
+  small batches spread evenly over the workers), 64 for bf16/fp32 (bigger GEMMs).
 - One worker thread per core, each running whole batches (tokenizer included)
   on one torch thread, instead of torch splitting every op across cores: no
   core waits for another at each op, which on a busy machine made 2 threads
@@ -342,50 +344,62 @@ class _Dense:
     def __init__(self, weight: Any, bias: Any, dtype: Any):
         self.w, self.b = weight.to(dtype).contiguous(), bias.to(dtype)
 
-    def __call__(self, x: Any, scratch: bool = False) -> Any:
+    def __call__(self, x: Any) -> Any:
         import torch.nn.functional as F
 
         return F.linear(x, self.w, self.b)
 
 
 class _Int8Dense:
-    """W8A8: int8 weights per output channel, activations quantized per token at run time.
+    """W8A8 weights: int8 per output channel, for activations quantized per token at run time.
 
     Per-token scales (one per row, from that row's largest magnitude) keep the
     error low where one scale per tensor, as `quantize_dynamic` uses, does not:
     on MiniLM its vectors have cosine 0.93 to fp32, these 0.998
     (benchmarks/index_speed.py prints it). The int8 x int8 -> int32 product is
     `torch._int_mm` (AVX512-VNNI): about 2x a bf16 GEMM per core here (410 vs
-    214 GFLOP/s on one Zen 4 core). Inputs and outputs are float32: with bf16
-    around it the speed was the same (the passes are memory-bound either way).
+    214 GFLOP/s on one Zen 4 core); the work around it runs in `fused`.
+    `__call__` is the plain float-in, float-out form of the same layer.
     """
 
-    def __init__(self, weight: Any, bias: Any, dtype: Any = None):
+    def __init__(self, weight: Any, bias: Any, out_scale: Any = 1.0):
+        """out_scale (a number, or one per output) multiplies the output: `_Bert` folds
+        attention's 1/sqrt(head dim) into the query's part of query/key/value."""
         import torch
 
         w = weight.detach().float()
         scale = w.abs().amax(1).clamp(min=1e-8) / 127.0
         self.wt = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).t()
-        self.ws, self.b = scale, bias.detach().float()
+        self.ws = (scale * out_scale).numpy()
+        self.b = (bias.detach().float() * out_scale).numpy()
 
-    def __call__(self, x: Any, scratch: bool = False) -> Any:
-        """x [rows, in] float32 -> [rows, out]; scratch: x may be overwritten (saves a buffer)."""
+    def matmul(self, q: Any, out: Any) -> Any:
+        """int32 [rows, out] product of per-row int8 activations q [rows, in], into out."""
         import torch
 
-        row = torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True))
-        row = row.clamp_(min=1e-8).div_(127.0)
-        q = (x.mul_(1.0 / row) if scratch else x * (1.0 / row)).round_().to(torch.int8)
-        y = torch._int_mm(q, self.wt).float().mul_(row)
-        return torch.addcmul(self.b, y, self.ws, out=y)
+        return torch._int_mm(q, self.wt, out=out).numpy()
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+        from opencomposer.index import fused
+
+        rows = x.detach().float().contiguous().numpy()
+        q, s = np.empty(rows.shape, np.int8), np.empty(len(rows), np.float32)
+        fused.quantize_rows(rows, q, s)
+        acc = self.matmul(torch.from_numpy(q), torch.empty(len(rows), self.wt.shape[1], dtype=torch.int32))  # fmt: skip
+        out = np.empty(acc.shape, np.float32)
+        fused.dequantize(acc, s, self.ws, self.b, out)
+        return torch.from_numpy(out)
 
 
 class _Bert:
     """A BERT encoder forward pass over Hugging Face weights, for speed on CPU.
 
     The same arithmetic as `transformers.BertModel` (absolute positions, GELU,
-    post-LayerNorm), with query/key/value as one GEMM, the attention mask only
-    where a batch has padding, and the linear layers swappable for int8
-    (`_Int8Dense`). tests/index/test_index_int8.py checks it against the HF model.
+    post-LayerNorm), with query/key/value as one GEMM and the attention mask
+    only where a batch has padding. In int8 the linear layers are W8A8
+    (`_Int8Dense`) and everything between two GEMMs is one fused kernel
+    (`fused`). tests/index/test_index_int8.py checks both against the HF model.
     """
 
     def __init__(self, hf: Any, dtype: str, act: Any = None):
@@ -393,14 +407,24 @@ class _Bert:
 
         cfg = hf.config
         self.heads, self.eps = int(cfg.num_attention_heads), float(cfg.layer_norm_eps)
+        self.int8 = dtype == "int8"
         act = act or (torch.bfloat16 if dtype == "bf16" else torch.float32)
         self.act = act
-        dense = _Int8Dense if dtype == "int8" else _Dense
         sd = {k: v.detach() for k, v in hf.state_dict().items()}
         g = lambda name: sd[name].to(act)  # noqa: E731
         self.word, self.pos = g("embeddings.word_embeddings.weight"), g("embeddings.position_embeddings.weight")  # fmt: skip
         self.type0 = g("embeddings.token_type_embeddings.weight")[0]
         self.ln0 = (g("embeddings.LayerNorm.weight"), g("embeddings.LayerNorm.bias"))
+        # int8: attention's 1/sqrt(head dim) rides in the query's output scale
+        head_dim = int(cfg.hidden_size) // self.heads
+        q_scale = torch.ones(3 * int(cfg.hidden_size))
+        q_scale[: int(cfg.hidden_size)] = head_dim**-0.5
+
+        def dense(weight: Any, bias: Any, scale: Any = None) -> Any:
+            if self.int8:
+                return _Int8Dense(weight, bias, 1.0 if scale is None else scale)
+            return _Dense(weight, bias, act)
+
         self.layers = []
         for i in range(int(cfg.num_hidden_layers)):
             p = f"encoder.layer.{i}."
@@ -409,14 +433,14 @@ class _Bert:
             qkv = ("attention.self.query", "attention.self.key", "attention.self.value")
             self.layers.append(
                 (
-                    dense(torch.cat([w(n) for n in qkv]), torch.cat([b(n) for n in qkv]), act),
-                    dense(w("attention.output.dense"), b("attention.output.dense"), act),
+                    dense(torch.cat([w(n) for n in qkv]), torch.cat([b(n) for n in qkv]), q_scale),
+                    dense(w("attention.output.dense"), b("attention.output.dense")),
                     (
                         g(p + "attention.output.LayerNorm.weight"),
                         g(p + "attention.output.LayerNorm.bias"),
                     ),  # fmt: skip
-                    dense(w("intermediate.dense"), b("intermediate.dense"), act),
-                    dense(w("output.dense"), b("output.dense"), act),
+                    dense(w("intermediate.dense"), b("intermediate.dense")),
+                    dense(w("output.dense"), b("output.dense")),
                     (g(p + "output.LayerNorm.weight"), g(p + "output.LayerNorm.bias")),
                 )
             )
@@ -436,26 +460,79 @@ class _Bert:
     def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
         """Mean-pooled float32 vectors [batch, hidden] (not normalised)."""
         import torch
-        import torch.nn.functional as F
 
         n, length = input_ids.shape
-        heads = self.heads
         x = self.word[input_ids] + self.pos[:length] + self.type0
+        if self.int8:
+            x = self._encode_int8(x.reshape(n * length, -1), attention_mask)
+        else:
+            x = self._encode(x, attention_mask)
         hidden = x.shape[-1]
+        m = attention_mask.unsqueeze(-1).to(torch.float32)
+        summed = (x.view(n, length, hidden).float() * m).sum(1)
+        return summed / m.sum(1).clamp(min=1.0)
+
+    def _encode(self, x: Any, attention_mask: Any) -> Any:
+        """bf16/fp32: embeddings [n, length, hidden] -> last hidden states [n * length, hidden]."""
+        import torch
+        import torch.nn.functional as F
+
+        n, length, hidden = x.shape
         x = F.layer_norm(x, (hidden,), *self.ln0, self.eps).reshape(n * length, hidden)
         padded = not bool(attention_mask.all())
         mask = attention_mask[:, None, None, :].bool() if padded else None
         for qkv, out, ln1, inter, down, ln2 in self.layers:
-            q, k, v = qkv(x).view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = qkv(x).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             a = a.transpose(1, 2).reshape(n * length, hidden)
             x = F.layer_norm(x + out(a), (hidden,), *ln1, self.eps)
             h = inter(x)
             torch.ops.aten.gelu_(h)
-            x = F.layer_norm(x + down(h, scratch=True), (hidden,), *ln2, self.eps)
-        m = attention_mask.unsqueeze(-1).to(torch.float32)
-        summed = (x.view(n, length, hidden).float() * m).sum(1)
-        return summed / m.sum(1).clamp(min=1.0)
+            x = F.layer_norm(x + down(h), (hidden,), *ln2, self.eps)
+        return x
+
+    def _encode_int8(self, x: Any, attention_mask: Any) -> Any:
+        """int8: embeddings [n * length, hidden] (overwritten) -> last hidden states, same shape.
+
+        The residual stream x stays float32; each GEMM's input is its per-row
+        int8 copy (q, s), written by the fused kernel that produced it.
+        Attention (two small batched GEMMs and a softmax per head) stays in
+        float32 torch.
+        """
+        import torch
+        from opencomposer.index import fused
+
+        n, length = attention_mask.shape
+        rows, hidden = x.shape
+        heads, eps = self.heads, np.float32(self.eps)
+        xs = x.contiguous().numpy()
+        q, s = np.empty((rows, hidden), np.int8), np.empty(rows, np.float32)
+        wide = self.layers[0][3].wt.shape[1]
+        hq, hs = np.empty((rows, wide), np.int8), np.empty(rows, np.float32)
+        q_t, hq_t = torch.from_numpy(q), torch.from_numpy(hq)
+        acc3 = torch.empty(rows, 3 * hidden, dtype=torch.int32)
+        acc1 = torch.empty(rows, hidden, dtype=torch.int32)
+        acc4 = torch.empty(rows, wide, dtype=torch.int32)
+        qkv_h = torch.empty(rows, 3 * hidden, dtype=torch.bfloat16)
+        fused.layer_norm_quantize(xs, self.ln0[0].numpy(), self.ln0[1].numpy(), eps, q, s)
+        bias = None
+        if not bool(attention_mask.all()):  # padded keys get -inf before the softmax
+            bias = torch.zeros(n, 1, length).masked_fill_(attention_mask[:, None, :] == 0, float("-inf"))  # fmt: skip
+            bias = bias.repeat_interleave(heads, 0).to(torch.bfloat16)
+        for qkv, out, ln1, inter, down, ln2 in self.layers:
+            fused.dequantize_bf16(qkv.matmul(q_t, acc3), s, qkv.ws, qkv.b, qkv_h.view(torch.int16).numpy())  # fmt: skip
+            t = qkv_h.view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4).reshape(3, n * heads, length, -1)  # fmt: skip
+            scores = torch.bmm(t[0], t[1].transpose(1, 2))  # the query is already scaled
+            if bias is not None:
+                scores += bias
+            a = torch.bmm(torch.softmax(scores, -1), t[2])
+            fused.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
+            acc = out.matmul(q_t, acc1)
+            fused.residual_layer_norm_quantize(acc, s, out.ws, out.b, xs, ln1[0].numpy(), ln1[1].numpy(), eps, q, s)  # fmt: skip
+            fused.gelu_quantize(inter.matmul(q_t, acc4), s, inter.ws, inter.b, hq, hs)
+            acc = down.matmul(hq_t, acc1)
+            fused.residual_layer_norm_quantize(acc, hs, down.ws, down.b, xs, ln2[0].numpy(), ln2[1].numpy(), eps, q, s)  # fmt: skip
+        return torch.from_numpy(xs)
 
 
 def _load(folder: Path, dtype: str, max_tokens: int) -> Any:

@@ -58,10 +58,83 @@ def test_int8_linear_keeps_outlier_tokens_accurate() -> None:
     x = torch.randn(32, 64)
     x[3] *= 200.0  # one token with huge activations: per-tensor scaling would crush the rest
     exact = x @ weight.T + bias
-    got = embed._Int8Dense(weight, bias, torch.float32)(x)
+    got = embed._Int8Dense(weight, bias)(x)
     rel = (got - exact).norm(dim=1) / exact.norm(dim=1)
     assert got.dtype == torch.float32 and got.shape == exact.shape
     assert float(rel.max()) < 0.02, rel
+
+
+def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row int8 as the kernels define it: scale max|row| / 127 (at least 1e-8 / 127)."""
+    scale = (np.maximum(np.abs(x).max(1), np.float32(1e-8)) / np.float32(127.0)).astype(np.float32)
+    return np.rint(x * (np.float32(1.0) / scale)[:, None]).astype(np.int8), scale
+
+
+def _assert_quantized(q: np.ndarray, s: np.ndarray, x: np.ndarray) -> None:
+    want_q, want_s = _quantized(x)
+    np.testing.assert_allclose(s, want_s, rtol=1e-6)
+    # a value within float rounding of a .5 boundary may round either way (bf16 inputs
+    # land on boundaries often): off by one at most, and rarely
+    assert np.abs(q.astype(np.int32) - want_q).max() <= 1
+    assert (q != want_q).mean() < 0.02
+
+
+def test_fused_kernels_match_numpy_and_torch() -> None:
+    import torch
+    import torch.nn.functional as F
+    from opencomposer.index import fused
+
+    rng = np.random.default_rng(0)
+    rows, width = 12, 96
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    x[3] *= 300.0  # an outlier token
+    x[5] = 0.0  # an all-zero row stays finite
+    q, s = np.empty((rows, width), np.int8), np.empty(rows, np.float32)
+    fused.quantize_rows(x, q, s)
+    _assert_quantized(q, s, x)
+    assert not q[5].any() and np.isfinite(s).all()
+
+    acc = rng.integers(-30_000, 30_000, (rows, width), dtype=np.int32)
+    rs = (rng.random(rows) * 1e-3).astype(np.float32)
+    cs = (rng.random(width) * 1e-3).astype(np.float32)
+    b = rng.standard_normal(width).astype(np.float32)
+    exact = (acc * rs[:, None] * cs + b).astype(np.float32)
+    out = np.empty((rows, width), np.float32)
+    fused.dequantize(acc, rs, cs, b, out)
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-6)
+    bf16 = np.empty((rows, width), np.int16)
+    fused.dequantize_bf16(acc, rs, cs, b, bf16)
+    want = torch.from_numpy(out).bfloat16().view(torch.int16).numpy()
+    assert np.abs(bf16.astype(np.int32) - want).max() <= 1  # round to nearest even, as torch
+
+    # GELU over the whole range, far past where erf saturates (large |v| once came out NaN)
+    wide = exact * 8.0
+    wide[0, :4] = [40.0, -40.0, 1e4, -1e4]
+    gelu = F.gelu(torch.from_numpy(wide)).numpy()
+    ones = np.ones(width, np.float32)
+    fused.gelu_quantize((wide * 1e3).astype(np.int32), np.full(rows, 1e-3, np.float32), ones, np.zeros(width, np.float32), q, s)  # fmt: skip
+    _assert_quantized(q, s, F.gelu(torch.from_numpy((wide * 1e3).astype(np.int32) * np.float32(1e-3))).numpy())  # fmt: skip
+    assert np.isfinite(gelu).all() and q[0, 2] == 127 and q[0, 3] == 0
+
+    gamma, beta = rng.random(width).astype(np.float32), rng.standard_normal(width).astype(np.float32)  # fmt: skip
+    residual = rng.standard_normal((rows, width)).astype(np.float32) * 20
+    want = F.layer_norm(torch.from_numpy(residual + exact), (width,), torch.from_numpy(gamma), torch.from_numpy(beta), 1e-12).numpy()  # fmt: skip
+    x = residual.copy()
+    fused.residual_layer_norm_quantize(acc, rs, cs, b, x, gamma, beta, np.float32(1e-12), q, s)
+    np.testing.assert_allclose(x, want, atol=2e-5)
+    _assert_quantized(q, s, x)
+    x = residual.copy()
+    fused.layer_norm_quantize(x, gamma, beta, np.float32(1e-12), q, s)
+    np.testing.assert_allclose(x, F.layer_norm(torch.from_numpy(residual), (width,), torch.from_numpy(gamma), torch.from_numpy(beta), 1e-12).numpy(), atol=2e-5)  # fmt: skip
+    _assert_quantized(q, s, x)
+
+    # attention output [n * heads, length, d] in bf16 -> token rows [n * length, heads * d]
+    n, heads, length, d = 2, 3, 4, 8
+    a = torch.from_numpy(rng.standard_normal((n * heads, length, d)).astype(np.float32)).bfloat16()
+    tokens = a.float().view(n, heads, length, d).transpose(1, 2).reshape(n * length, heads * d)
+    q, s = np.empty((n * length, heads * d), np.int8), np.empty(n * length, np.float32)
+    fused.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
+    _assert_quantized(q, s, tokens.numpy())
 
 
 def test_int8_vectors_stay_close_to_fp32(tiny_embedder: Path) -> None:
