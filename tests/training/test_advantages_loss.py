@@ -24,7 +24,7 @@ def test_token_level_clipped_loss_by_hand():
         logprobs, old, adv, mask, config=LossConfig(clip_low=0.2, clip_high=0.28)
     )
     # per token: -1.28, -0.5 | +1.5, +0.8, +1.0 -> 1.52 / 5 tokens
-    assert float(loss) == pytest.approx(0.304, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(0.304, abs=1e-6)
     assert stats["tokens"] == 5
     assert stats["clip_frac"] == pytest.approx(2 / 5)  # 1.5 with A>0, 0.5 with A<0
     loss.backward()
@@ -39,7 +39,7 @@ def test_token_level_clipped_loss_by_hand():
 def test_sequence_aggregation_by_hand():
     logprobs, old, adv, mask = _case()
     loss, _ = policy_loss(logprobs, old, adv, mask, config=LossConfig(aggregation="sequence"))
-    assert float(loss) == pytest.approx(((-1.28 - 0.5) / 2 + (1.5 + 0.8 + 1.0) / 3) / 2, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(((-1.28 - 0.5) / 2 + (1.5 + 0.8 + 1.0) / 3) / 2, abs=1e-6)
 
 
 def test_separate_low_and_high_clip():
@@ -53,7 +53,7 @@ def test_separate_low_and_high_clip():
         config=LossConfig(clip_low=0.1, clip_high=0.5),
     )
     # A<0, ratio 0.7 below 1-0.1: -min(-0.7, -0.9) = 0.9
-    assert float(loss) == pytest.approx(0.9)
+    assert float(loss.detach()) == pytest.approx(0.9)
 
 
 def test_kl_to_reference_k3():
@@ -69,7 +69,7 @@ def test_kl_to_reference_k3():
     )
     k3 = 2.0 - L(2.0) - 1.0
     assert stats["kl_ref"] == pytest.approx(k3)
-    assert float(loss) == pytest.approx(0.5 * k3)
+    assert float(loss.detach()) == pytest.approx(0.5 * k3)
 
 
 def test_micro_batches_sum_to_the_full_batch_loss():
@@ -81,7 +81,7 @@ def test_micro_batches_sum_to_the_full_batch_loss():
         )[0]
         for i in range(2)
     )
-    assert float(parts) == pytest.approx(float(full))
+    assert float(parts.detach()) == pytest.approx(float(full.detach()))
 
 
 def test_logprobs_and_entropy_of_uniform_logits():
