@@ -25,8 +25,8 @@ on 2 shared cores; everything else is real — chunking, SQLite/FTS5, FAISS, the
 Merkle walk — and the edited file's chunks and every query are embedded by the
 real model. Vector values do not change FAISS's or FTS5's cost.
 
-Run: `.venv/bin/python benchmarks/index_speed.py [--build-chunks 600] [--chunks 10000] [--large 100000]`
-(`--build-only`: section 1 alone, about a minute).
+Run: `.venv/bin/python benchmarks/index_speed.py [--build-chunks 2000] [--chunks 10000] [--large 100000]`
+(`--build-only`: section 1 alone, about two minutes).
 Large corpora are cached under ~/.cache/opencomposer/bench/.
 """
 
@@ -307,7 +307,12 @@ def bench_scale(n_chunks: int, reps: int, update: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--build-chunks", type=int, default=600, help="size of the full-build corpus")
+    ap.add_argument(
+        "--build-chunks",
+        type=int,
+        default=2000,
+        help="size of the full-build corpus (a build of ~1,500-character chunks gets ~1,750 of them)",
+    )
     ap.add_argument("--chunks", type=int, default=10_000, help="index size for update and latency")
     ap.add_argument("--large", type=int, default=100_000, help="second latency size (0 skips)")
     ap.add_argument("--reps", type=int, default=3)
