@@ -108,9 +108,16 @@ def supports_int8(folder: Path) -> bool:
     return _is_mean_pooled(folder) and _Bert.supports_config(cfg)
 
 
+def have_int8_kernels() -> bool:
+    """numba is installed: the int8 path's fused kernels (`fused`) need it."""
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
 def default_dtype(folder: Path) -> str:
     """int8 where the CPU has int8 dot products and the model allows it, else bf16, else fp32."""
-    if cpu_has_int8() and supports_int8(folder):
+    if cpu_has_int8() and supports_int8(folder) and have_int8_kernels():
         return "int8"
     return "bf16" if cpu_has_bf16() else "fp32"
 
@@ -147,6 +154,8 @@ class EmbedderConfig:
             raise EmbedderError(f"{DTYPE_ENV} must be bf16, fp32 or int8, not {dtype!r}")
         if dtype == "int8" and not supports_int8(path):
             raise EmbedderError(f"int8 embedding needs a BERT model with mean pooling; {path.name} is not: set {DTYPE_ENV}=bf16 or fp32")  # fmt: skip
+        if dtype == "int8" and not have_int8_kernels():
+            raise EmbedderError(f"int8 embedding needs numba (pip install numba), or set {DTYPE_ENV}=bf16 or fp32")  # fmt: skip
         raw = os.environ.get(TOKENS_ENV, "64")
         if not raw.isdigit() or int(raw) < 1:
             raise EmbedderError(f"{TOKENS_ENV} must be a positive whole number, not {raw!r}")
@@ -554,6 +563,10 @@ def _load(folder: Path, dtype: str, max_tokens: int) -> Any:
                         str(folder), local_files_only=True, dtype=torch_dtype
                     ).eval()
                     model: Any = _MeanPooled(tokenizer, hf, max_tokens, dtype)
+                    if (
+                        dtype == "int8"
+                    ):  # compile (or load the cached) kernels now: a failure is a load error
+                        model.encode(["def warm_up(): pass"])
                 else:
                     from sentence_transformers import SentenceTransformer
 

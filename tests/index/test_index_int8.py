@@ -194,6 +194,28 @@ def test_default_precision_follows_the_cpu(tiny_embedder: Path, monkeypatch: pyt
         assert EmbedderConfig.resolve(tiny_embedder).dtype == want, flags
 
 
+def test_int8_without_numba_falls_back_or_says_why(tiny_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(embed, "_cpu_flags", lambda: frozenset({"avx512_vnni", "avx512_bf16"}))
+    monkeypatch.setattr(embed, "have_int8_kernels", lambda: False)
+    monkeypatch.delenv(embed.DTYPE_ENV, raising=False)
+    assert EmbedderConfig.resolve(tiny_embedder).dtype == "bf16"  # the default moves on
+    monkeypatch.setenv(embed.DTYPE_ENV, "int8")
+    with pytest.raises(EmbedderError, match="int8 embedding needs numba"):
+        EmbedderConfig.resolve(tiny_embedder)
+
+
+def test_int8_kernel_failure_is_a_load_error(tiny_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from opencomposer.index import fused
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("Failed in nopython mode pipeline\nmore detail")
+
+    monkeypatch.setattr(fused, "layer_norm_quantize", broken)
+    with pytest.raises(EmbedderError, match="cannot load embedder .*: Failed in nopython mode pipeline$"):  # fmt: skip
+        _load(tiny_embedder, "int8", 61)  # a size no other test loads: not cached
+    assert (str(tiny_embedder), "int8", 61) not in embed._LOADED
+
+
 def test_bad_precision_is_one_clear_line(
     tiny_embedder: Path,
     tmp_path: Path,
