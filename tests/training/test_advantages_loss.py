@@ -39,7 +39,9 @@ def test_token_level_clipped_loss_by_hand():
 def test_sequence_aggregation_by_hand():
     logprobs, old, adv, mask = _case()
     loss, _ = policy_loss(logprobs, old, adv, mask, config=LossConfig(aggregation="sequence"))
-    assert float(loss.detach()) == pytest.approx(((-1.28 - 0.5) / 2 + (1.5 + 0.8 + 1.0) / 3) / 2, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(
+        ((-1.28 - 0.5) / 2 + (1.5 + 0.8 + 1.0) / 3) / 2, abs=1e-6
+    )
 
 
 def test_separate_low_and_high_clip():
