@@ -143,6 +143,13 @@ class VLLMModel:
     async def close(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
+            # vLLM's shutdown stops the engine process before it cancels the output
+            # handler, which then logs the engine's death as an error with a traceback.
+            # Cancelled first (it runs on this loop), it has nothing left to report.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
             await asyncio.to_thread(engine.shutdown)
             # AsyncLLM.__del__ shuts down again, at interpreter exit when vLLM's
             # module globals are gone, and prints a TypeError; once is enough.
