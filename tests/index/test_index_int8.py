@@ -110,11 +110,10 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     # GELU over the whole range, far past where erf saturates (large |v| once came out NaN)
     wide = exact * 8.0
     wide[0, :4] = [40.0, -40.0, 1e4, -1e4]
-    gelu = F.gelu(torch.from_numpy(wide)).numpy()
     ones = np.ones(width, np.float32)
     fused.gelu_quantize((wide * 1e3).astype(np.int32), np.full(rows, 1e-3, np.float32), ones, np.zeros(width, np.float32), q, s)  # fmt: skip
     _assert_quantized(q, s, F.gelu(torch.from_numpy((wide * 1e3).astype(np.int32) * np.float32(1e-3))).numpy())  # fmt: skip
-    assert np.isfinite(gelu).all() and q[0, 2] == 127 and q[0, 3] == 0
+    assert np.isfinite(s).all() and q[0, 2] == 127 and q[0, 3] == 0
 
     gamma, beta = rng.random(width).astype(np.float32), rng.standard_normal(width).astype(np.float32)  # fmt: skip
     residual = rng.standard_normal((rows, width)).astype(np.float32) * 20
