@@ -132,6 +132,7 @@ class MineConfig:
     per_function: int = 1
     source: str = ""  # recorded in task.toml
     env_prefix: str = ""  # put before `python -m pytest` (e.g. "PYTHONPATH=src")
+    pytest_args: tuple[str, ...] = ()  # put after it (e.g. `-o addopts=` for foreign addopts)
     prepare: Callable[[Path], None] | None = None  # applied to the scratch copy first
 
 
@@ -156,7 +157,7 @@ class Mutation:
 
 def _pytest_cmd(cfg: MineConfig, args: Iterable[str]) -> str:
     prefix = f"{cfg.env_prefix} " if cfg.env_prefix else ""
-    quoted = " ".join(shlex.quote(a) for a in args)
+    quoted = " ".join(shlex.quote(a) for a in [*cfg.pytest_args, *args])
     return f"{prefix}python -m pytest -q -p no:cacheprovider {quoted}"
 
 
@@ -172,7 +173,10 @@ async def _run_tests(
     out = root / STATE_DIR / "mine.json"
     out.parent.mkdir(exist_ok=True)
     out.unlink(missing_ok=True)
+    # No bytecode: a mutant of the same size written within the same second as the
+    # original would otherwise run from the original's stale .pyc (and vice versa).
     env = (
+        "PYTHONDONTWRITEBYTECODE=1 "
         f"OC_MINE_ROOT={shlex.quote(str(root))} OC_MINE_OUT={shlex.quote(str(out))} "
         f"OC_MINE_TRACE={int(trace)} PYTHONPATH={shlex.quote(str(plugin_dir))}${{PYTHONPATH:+:$PYTHONPATH}} "
     )
@@ -187,7 +191,8 @@ async def _run_tests(
     try:
         data = json.loads(out.read_text())
     except (OSError, ValueError):
-        data = {"outcomes": {}, "hits": {}, "exitstatus": -1, "output": res.output[-2000:]}
+        data = {"outcomes": {}, "hits": {}, "exitstatus": -1}
+    data["output"] = res.output[-4000:]
     data["exit_code"] = res.exit_code
     return data
 
@@ -288,8 +293,47 @@ _FLIP = {
 _BOUND = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
 
 
-def _variants(node: ast.AST, params: list[str]) -> Iterator[tuple[str, ast.AST]]:
-    """(kind, replacement) for one node."""
+_OPERATOR = {  # a wrong arithmetic or bitwise operator
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div,
+    ast.Mod: ast.FloorDiv,
+    ast.Pow: ast.Mult,
+    ast.BitAnd: ast.BitOr,
+    ast.BitOr: ast.BitAnd,
+    ast.BitXor: ast.BitOr,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+}
+# Calls whose removal (`f(x)` -> `x`) is not a plausible slip, or that are covered
+# by another kind (`range` bounds).
+_KEEP_CALLS = frozenset({"range", "super", "isinstance", "issubclass", "print", "iter", "next"})
+
+# The procedural bug kinds (SWE-smith's): each `_variants` kind is one of these.
+KINDS = (
+    "flipped comparison",
+    "off-by-one bound",
+    "off-by-one index",
+    "wrong operator",
+    "dropped factor",
+    "changed constant",
+    "dropped call",
+    "dropped branch",
+    "dropped return",
+    "wrong return value",
+    "and/or swapped",
+    "dropped negation",
+    "negated condition",
+    "swapped arguments",
+    "wrong variable",
+)
+
+
+def _variants(node: ast.AST, names: list[str]) -> Iterator[tuple[str, ast.AST]]:
+    """(kind, replacement) for one node; `names` are the function's parameters and
+    local variables, in order of appearance."""
     if isinstance(node, ast.Compare) and len(node.ops) == 1:
         op = type(node.ops[0])
         if op in _FLIP:
@@ -302,17 +346,21 @@ def _variants(node: ast.AST, params: list[str]) -> Iterator[tuple[str, ast.AST]]
                 "off-by-one bound",
                 ast.Compare(left=node.left, ops=[_BOUND[op]()], comparators=node.comparators),
             )
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
+    elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATOR:
         if (
-            isinstance(node.right, ast.Constant)
+            isinstance(node.op, ast.Add | ast.Sub)
+            and isinstance(node.right, ast.Constant)
             and node.right.value == 1
             and type(node.right.value) is int
         ):
             yield "off-by-one bound", node.left
-        elif isinstance(node.op, ast.Add):
-            yield "wrong operator", ast.BinOp(left=node.left, op=ast.Sub(), right=node.right)
         else:
-            yield "wrong operator", ast.BinOp(left=node.left, op=ast.Add(), right=node.right)
+            op = _OPERATOR[type(node.op)]()
+            yield "wrong operator", ast.BinOp(left=node.left, op=op, right=node.right)
+        if isinstance(node.op, ast.Mult):
+            yield "dropped factor", node.left
+            if isinstance(node.left, ast.Constant):
+                yield "dropped factor", node.right
     elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
         v = node.slice.value
         if type(v) is int:
@@ -336,12 +384,32 @@ def _variants(node: ast.AST, params: list[str]) -> Iterator[tuple[str, ast.AST]]
         yield "and/or swapped", ast.BoolOp(op=other, values=node.values)
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         yield "dropped negation", node.operand
+    elif isinstance(node, ast.Return) and isinstance(node.value, ast.Constant):
+        if isinstance(node.value.value, bool):
+            yield "wrong return value", ast.Return(value=ast.Constant(not node.value.value))
+    elif isinstance(node, ast.Return) and node.value is not None:
+        yield "dropped return", ast.Return(value=ast.Constant(None))
     elif (
-        isinstance(node, ast.Return)
-        and isinstance(node.value, ast.Constant)
-        and isinstance(node.value.value, bool)
+        isinstance(node, ast.Constant)
+        and type(node.value) in (int, float)
+        and not isinstance(node.value, bool)
     ):
-        yield "wrong return value", ast.Return(value=ast.Constant(not node.value.value))
+        v = node.value
+        yield "changed constant", ast.Constant(v + 1 if type(v) is int else v * 2 or 1.0)
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call | ast.Await):
+        yield "dropped call", ast.Pass()
+    if isinstance(node, ast.If | ast.While | ast.IfExp) and not (
+        isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not)
+    ):
+        yield "negated condition", ("test", ast.UnaryOp(op=ast.Not(), operand=node.test))
+    if (
+        isinstance(node, ast.Call)
+        and len(node.args) == 1
+        and not node.keywords
+        and not isinstance(node.args[0], ast.Starred)
+        and not (isinstance(node.func, ast.Name) and node.func.id in _KEEP_CALLS)
+    ):
+        yield "dropped call", node.args[0]
     if (
         isinstance(node, ast.Call)
         and len(node.args) >= 2
@@ -349,10 +417,12 @@ def _variants(node: ast.AST, params: list[str]) -> Iterator[tuple[str, ast.AST]]
     ) and ast.dump(node.args[0]) != ast.dump(node.args[1]):
         args = [node.args[1], node.args[0], *node.args[2:]]
         yield "swapped arguments", ast.Call(func=node.func, args=args, keywords=node.keywords)
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in params:
-        others = [p for p in params if p != node.id and p not in ("self", "cls")]
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names:
+        others = [n for n in names if n != node.id and n not in ("self", "cls")]
         if others and node.id not in ("self", "cls"):
-            yield "wrong variable", ast.Name(id=others[0], ctx=ast.Load())
+            # a neighbour in the function, not always the first: deterministic per site
+            pick = others[(node.lineno + node.col_offset) % len(others)]
+            yield "wrong variable", ast.Name(id=pick, ctx=ast.Load())
 
 
 def _offsets(source: bytes) -> list[int]:
@@ -412,12 +482,20 @@ def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[
         if not tests:
             continue
         params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
-        for node in _own_nodes(fn):
+        own = list(_own_nodes(fn))
+        local = [n.id for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        names = list(dict.fromkeys(params + local))
+        seen: set[tuple[int, int, str]] = set()
+        for node in own:
             if not hasattr(node, "end_lineno") or node.end_lineno is None:
                 continue
-            for kind, new in _variants(node, params):
-                m = _mutation(source, offsets, tree, node, new, kind, rel, qualname)
-                if m is not None:
+            for kind, new in _variants(node, names):
+                target = node
+                if isinstance(new, tuple):  # (field, replacement): a child of the node
+                    target, new = getattr(node, new[0]), new[1]
+                m = _mutation(source, offsets, tree, target, new, kind, rel, qualname)
+                if m is not None and (m.start, m.end, m.new) not in seen:
+                    seen.add((m.start, m.end, m.new))
                     m.tests = tests
                     found.append(m)
     return found
@@ -479,47 +557,80 @@ def mine(repo: Path, *, out: Path, limit: int = 10, config: MineConfig | None = 
     return asyncio.run(_mine(repo, Path(out), cfg))
 
 
+@dataclass(kw_only=True)
+class Baseline:
+    """The test suite's run on the unchanged code, with what each passing test covers."""
+
+    tests: list[str]  # the test files run
+    passing: set[str]  # node ids
+    failing_files: set[str]  # test files with a test that fails anyway
+    covered: dict[str, dict[int, list[str]]]  # source file -> function line -> tests
+    exitstatus: int
+    output: str  # pytest's output tail
+
+
+async def baseline(scratch: Path, cfg: MineConfig, plugin_dir: Path, label: str) -> Baseline:
+    """Run the suite once with call tracing; TaskError (one line) when nothing passes."""
+    tests = list(cfg.tests) or discover_tests(scratch)
+    if not tests:
+        raise TaskError(f"{label}: no test files found (test_*.py or *_test.py)")
+    base = await _run_tests(scratch, cfg, tests, trace=True, plugin_dir=plugin_dir)
+    passing = {k for k, v in base["outcomes"].items() if v["outcome"] == "passed"}
+    output = base.get("output", "")
+    if not passing:
+        raise TaskError(f"{label}: no passing tests to mine from (pytest: {output[-200:]!r})")
+    covered: dict[str, dict[int, list[str]]] = {}
+    for test, hits in base["hits"].items():
+        if test not in passing:
+            continue
+        for rel, line in hits:
+            if not _is_test_file(rel):
+                covered.setdefault(rel, {}).setdefault(line, []).append(test)
+    return Baseline(
+        tests=tests,
+        passing=passing,
+        failing_files={
+            k.split("::")[0] for k, v in base["outcomes"].items() if v["outcome"] == "failed"
+        },
+        covered=covered,
+        exitstatus=int(base.get("exitstatus", -1)),
+        output=output,
+    )
+
+
+def candidates(scratch: Path, cfg: MineConfig, base: Baseline) -> list[Mutation]:
+    """Every mutation of every function a passing test covers, in `cfg.sources`."""
+    sources = set(_py_files(scratch, cfg.sources or ["."]))
+    return [
+        m
+        for rel in sorted(base.covered)
+        if rel in sources
+        for m in find_mutations(scratch, rel, base.covered[rel])
+    ]
+
+
+def setup_scratch(repo: Path, tmpdir: Path, cfg: MineConfig) -> tuple[Path, Path]:
+    """A scratch copy of `repo` under `tmpdir` with the tracing plugin; (scratch, plugin_dir)."""
+    scratch = tmpdir / "repo"
+    shutil.copytree(
+        repo, scratch, symlinks=True, ignore=shutil.ignore_patterns(*SKIP_NAMES, "*.pyc")
+    )
+    plugin_dir = scratch / STATE_DIR / "plugin"  # inside: the sandbox sees only the workspace
+    plugin_dir.mkdir(parents=True)
+    (plugin_dir / "_oc_mine_plugin.py").write_text(_PLUGIN)
+    if cfg.prepare is not None:
+        cfg.prepare(scratch)
+    return scratch, plugin_dir
+
+
 async def _mine(repo: Path, out: Path, cfg: MineConfig) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="oc-mine-") as tmp:
-        tmpdir = Path(tmp)
-        scratch = tmpdir / "repo"
-        shutil.copytree(
-            repo, scratch, symlinks=True, ignore=shutil.ignore_patterns(*SKIP_NAMES, "*.pyc")
-        )
-        plugin_dir = scratch / STATE_DIR / "plugin"  # inside: the sandbox sees only the workspace
-        plugin_dir.mkdir(parents=True)
-        (plugin_dir / "_oc_mine_plugin.py").write_text(_PLUGIN)
-        if cfg.prepare is not None:
-            cfg.prepare(scratch)
-        tests = list(cfg.tests) or discover_tests(scratch)
-        if not tests:
-            raise TaskError(f"{repo}: no test files found (test_*.py or *_test.py)")
-        base = await _run_tests(scratch, cfg, tests, trace=True, plugin_dir=plugin_dir)
-        passing = {k for k, v in base["outcomes"].items() if v["outcome"] == "passed"}
-        if not passing:
-            raise TaskError(
-                f"{repo}: no passing tests to mine from (pytest: {base.get('output', '')[-200:]!r})"
-            )
-        failing_files = {
-            k.split("::")[0] for k, v in base["outcomes"].items() if v["outcome"] == "failed"
-        }
-        covered: dict[str, dict[int, list[str]]] = {}
-        for test, hits in base["hits"].items():
-            if test not in passing:
-                continue
-            for rel, line in hits:
-                if not _is_test_file(rel):
-                    covered.setdefault(rel, {}).setdefault(line, []).append(test)
-        sources = set(_py_files(scratch, cfg.sources or ["."]))
-        candidates = [
-            m
-            for rel in sorted(covered)
-            if rel in sources
-            for m in find_mutations(scratch, rel, covered[rel])
-        ]
-        if not candidates:
+        scratch, plugin_dir = setup_scratch(repo, Path(tmp), cfg)
+        base = await baseline(scratch, cfg, plugin_dir, str(repo))
+        found = candidates(scratch, cfg, base)
+        if not found:
             raise TaskError(f"{repo}: no function covered by a passing test to mutate")
-        ordered = _interleave(candidates, random.Random(cfg.seed))
+        ordered = _interleave(found, random.Random(cfg.seed))
         kept: list[Path] = []
         per_function: dict[tuple[str, str], int] = {}
         attempts = 0
@@ -530,7 +641,7 @@ async def _mine(repo: Path, out: Path, cfg: MineConfig) -> list[Path]:
             if per_function.get(key, 0) >= cfg.per_function:
                 continue
             attempts += 1
-            task = await _try(scratch, m, cfg, plugin_dir, failing_files, out, repo.name)
+            task = await _try(scratch, m, cfg, plugin_dir, base.failing_files, out, repo.name)
             if task is not None:
                 kept.append(task)
                 per_function[key] = per_function.get(key, 0) + 1
@@ -554,6 +665,62 @@ def _interleave(candidates: list[Mutation], rng: random.Random) -> list[Mutation
     return ordered
 
 
+@dataclass(kw_only=True)
+class Trial:
+    """A bug that the tests catch: the failing tests (node id -> error) and their files."""
+
+    mutations: list[Mutation]
+    failed: dict[str, dict]
+    files: list[str]
+
+    @property
+    def first(self) -> tuple[str, str]:
+        test, error = next(iter(sorted(self.failed.items())))
+        return test, error.get("error", "")
+
+
+def apply_all(mutations: list[Mutation], scratch: Path) -> dict[Path, bytes]:
+    """Write the mutations into `scratch`; returns the original bytes of each file.
+    Mutations of one file are applied from its end, so their offsets stay valid."""
+    originals: dict[Path, bytes] = {}
+    for m in sorted(mutations, key=lambda m: (m.path, -m.start)):
+        target = scratch / m.path
+        if target not in originals:
+            originals[target] = target.read_bytes()
+        target.write_bytes(m.apply(target.read_bytes()))
+    return originals
+
+
+async def trial(
+    scratch: Path,
+    mutations: list[Mutation],
+    cfg: MineConfig,
+    plugin_dir: Path,
+    failing_files: set[str],
+) -> Trial | None:
+    """Apply the mutations, run the tests that cover them, restore the files. A Trial
+    when some test fails in its call (not collection, not an internal error) and no
+    failing file is one whose tests fail anyway; else None."""
+    tests = sorted({t for m in mutations for t in m.tests})
+    originals = apply_all(mutations, scratch)
+    try:
+        result = await _run_tests(scratch, cfg, tests, trace=False, plugin_dir=plugin_dir)
+    finally:
+        for path, data in originals.items():
+            path.write_bytes(data)
+    failed = {
+        k: v
+        for k, v in result["outcomes"].items()
+        if v["outcome"] == "failed" and v.get("when") == "call"
+    }
+    if not failed or result["exitstatus"] not in (1,):
+        return None  # nothing failed, or pytest itself broke (collection, internal error)
+    files = sorted({k.split("::")[0] for k in failed})
+    if set(files) & failing_files:
+        return None  # a file with tests that fail anyway is no verify command
+    return Trial(mutations=list(mutations), failed=failed, files=files)
+
+
 async def _try(
     scratch: Path,
     m: Mutation,
@@ -563,29 +730,19 @@ async def _try(
     out: Path,
     name: str,
 ) -> Path | None:
+    found = await trial(scratch, [m], cfg, plugin_dir, failing_files)
+    if found is None:
+        return None
     target = scratch / m.path
     original = target.read_bytes()
     try:
         broken_file = m.apply(original)
         target.write_bytes(broken_file)
-        result = await _run_tests(
-            scratch, cfg, sorted(set(m.tests)), trace=False, plugin_dir=plugin_dir
-        )
-        failed = {
-            k: v
-            for k, v in result["outcomes"].items()
-            if v["outcome"] == "failed" and v.get("when") == "call"
-        }
-        if not failed or result["exitstatus"] not in (1,):
-            return None  # nothing failed, or pytest itself broke (collection, internal error)
-        files = sorted({k.split("::")[0] for k in failed} | set())
-        if set(files) & failing_files:
-            return None  # a file with tests that fail anyway is no verify command
         digest = hashlib.sha1(f"{m.path}:{m.start}:{m.new}".encode()).hexdigest()[:8]
         task_id = f"{_slug(name)}-{_slug(m.function)}-{digest}"
-        first, error = next(iter(sorted(failed.items())))
-        verify = _pytest_cmd(cfg, files)
-        query = _query(first, error["error"], len(failed), cfg.env_prefix)
+        first, error = found.first
+        verify = _pytest_cmd(cfg, found.files)
+        query = _query(first, error, len(found.failed), cfg.env_prefix)
         broken = pack_dir(scratch)
         dest = write_task(
             out / task_id,
@@ -594,7 +751,7 @@ async def _try(
             repo_tar=broken,
             timeout_s=900,
             command_timeout_s=cfg.test_timeout_s,
-            protect=files,
+            protect=found.files,
             source=cfg.source or f"mined:{name}",
         )
         solution = {
