@@ -155,6 +155,9 @@ class Session:
                 sampling=vars(self.config.sampling) | {"stop": list(self.config.sampling.stop)},
                 query=query,
             )
+            self.traces.set_meta(
+                self.id, prompt_style=self.prompt_style, tools=[s.name for s in specs.SPECS]
+            )
         self._emit(
             ev.SESSION_START,
             session_id=self.id,
@@ -193,6 +196,12 @@ class Session:
     async def _loop(self) -> str:
         for turn in range(1, self.config.max_turns + 1):
             record = await self._turn(turn)
+            if record.output.finish_reason == "repetition":  # stopped by the stream's guard
+                raise _End(
+                    "repetition",
+                    f"the model kept repeating itself; its reply was stopped after "
+                    f"{len(record.output.text)} characters",
+                )
             if not record.calls:
                 return record.output.text.strip()
             self.messages.append(Message(role="assistant", content=record.output.text))

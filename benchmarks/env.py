@@ -11,6 +11,10 @@
    the actor (`Lease.exec`) against `run_sandboxed` locally. Target: under 5 ms more.
 3. Eight concurrent episodes (scripted model: reads, a test run, an edit, verify)
    on this machine: all finish; the slowest against the median shows starvation.
+4. `codebase_search` in an episode, on a mined task of a real project (the pypi
+   suite's toolz task): episodes that search against the same episodes that grep
+   instead, interleaved, after one warm-up of each; the one-time build of the
+   snapshot's index is printed apart. Target: at most 1.10x the wall time.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from opencomposer.training.env import (
     mount_tmpfs,
     remove_workspace,
 )
-from opencomposer.training.tasks import load_task, safe_extract, write_task
+from opencomposer.training.tasks import load_suite, load_task, safe_extract, write_task
 
 
 def p50(xs: list[float]) -> float:
@@ -175,12 +179,64 @@ async def bench_concurrency(server: EnvironmentServer, task, tmp: Path, n: int =
     print(f"   {n} together vs {n} one by one: {total / (one * n):.2f}x the time")
 
 
+async def bench_search_cost(server: EnvironmentServer, tmp: Path, repeats: int) -> None:
+    task = next(t for t in load_suite("pypi") if "keymap" in t.id)
+    read = '<read_file path="toolz/dicttoolz.py" start_line="1" end_line="80"/>'
+    kinds = {
+        "codebase_search": '<codebase_search query="apply a function to every key of a dictionary"/>',
+        "grep": '<grep pattern="def keymap" path="toolz"/>',
+    }
+    specs_by_kind = {}
+    for kind, call in kinds.items():
+        path = tmp / f"search-{kind}.json"
+        turns = [f"{call}\n{read}", "I looked; nothing to change."]
+        path.write_text(json.dumps({"turns": turns, "chars_per_second": 400}))
+        specs_by_kind[kind] = f"scripted:{path}"
+    t0 = time.perf_counter()
+    await server.prewarm([task], index=True)
+    build = time.perf_counter() - t0
+    walls: dict[str, list[float]] = {k: [] for k in kinds}
+    calls: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(repeats + 1):
+        for kind, spec in specs_by_kind.items():
+            ends: list[dict] = []
+            r = await server.run_episode(
+                task,
+                model_spec_or_factory=spec,
+                on_event=lambda e, ends=ends: ends.append(e) if e["type"] == "tool_end" else None,
+            )
+            assert r.metrics["tool_calls"] == 2 and r.status == "completed", r
+            assert all(e["status"] == "ok" for e in ends), ends
+            if i:  # the first round warms up (the embedder loads on the first search)
+                walls[kind].append(r.metrics["wall_s"])
+                calls[kind] += [e["duration_s"] for e in ends if e["name"] == kind]
+    with_search, without = p50(walls["codebase_search"]), p50(walls["grep"])
+    print(f"4. codebase_search in an episode ({task.id}, {repeats} episodes each):")
+    print(f"   snapshot index built once (prewarm) in {build:.2f} s")
+    print(
+        f"   episode wall p50: with codebase_search {with_search:.3f} s, with grep {without:.3f} s: "
+        f"{with_search / without:.3f}x (target <= 1.10x)"
+    )
+    print(
+        f"   the call itself p50: codebase_search {p50(calls['codebase_search']) * 1e3:.0f} ms "
+        f"(index copied from the snapshot, refreshed, searched), grep {p50(calls['grep']) * 1e3:.0f} ms"
+    )
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--only-search", action="store_true", help="run section 4 alone")
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="oc-bench-env-") as tmp_s:
         tmp = Path(tmp_s)
+        if ns.only_search:
+            config = EnvConfig(
+                num_actors=2, root=tmp / "env", pool_size=2, index_cache=tmp / "index"
+            )
+            async with EnvironmentServer(config) as server:
+                await bench_search_cost(server, tmp, min(ns.repeats, 10))
+            return
         repo = make_repo(tmp / "repo")
         # a 120 s episode limit: a stuck tool shows up as a timeout, not a stalled benchmark
         task = load_task(
@@ -195,7 +251,9 @@ async def main() -> None:
         print(f"repo.tar: {task.repo_tar.stat().st_size / 1e6:.1f} MB")
         await bench_creation(task, tmp, ns.repeats)
         t0 = time.perf_counter()
-        server = EnvironmentServer(EnvConfig(num_actors=2, root=tmp / "env", pool_size=2))
+        server = EnvironmentServer(
+            EnvConfig(num_actors=2, root=tmp / "env", pool_size=2, index_cache=tmp / "index")
+        )
         await server.start()
         print(f"   (Ray and 2 actors started in {time.perf_counter() - t0:.1f} s)")
         try:
@@ -209,6 +267,7 @@ async def main() -> None:
             print(f"   lease through a Ray actor (warm pool) p50 {p50(leases) * 1e3:7.1f} ms")
             await bench_tool_overhead(server, task, tmp, ns.repeats)
             await bench_concurrency(server, task, tmp)
+            await bench_search_cost(server, tmp, min(ns.repeats, 10))
         finally:
             await server.close()
 

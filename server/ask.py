@@ -120,9 +120,9 @@ def ask(
     sandbox: str = "workspace-write",
 ) -> int:
     from opencomposer.agent.backends import make_model
-    from opencomposer.agent.session import Session, SessionConfig
+    from opencomposer.agent.factory import open_session
+    from opencomposer.agent.session import SessionConfig
     from opencomposer.agent.traces import TraceStore
-    from opencomposer.server.indexes import IndexHandle
     from opencomposer.tools.protocols import SandboxConfig
     from opencomposer.tools.workspace import LocalWorkspace
 
@@ -141,7 +141,7 @@ def ask(
     async def main() -> int:
         m = make_model(model)
         traces = TraceStore()
-        session = Session(
+        session = open_session(
             model=m,
             workspace=LocalWorkspace(root),
             config=SessionConfig(
@@ -153,7 +153,6 @@ def ask(
             on_event=view,
             approver=approver if interactive else None,
             traces=traces,
-            index_factory=IndexHandle(root).get,
         )
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, session.cancel)

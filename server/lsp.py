@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lsprotocol import types as lsp
+from opencomposer.agent.indexing import IndexHandle
 from opencomposer.server import lsp_commands as cmds
-from opencomposer.server.indexes import IndexHandle
 from opencomposer.server.workspace_overlay import EditorLink, EditorWorkspace
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcRequestCancelled
 from pygls.lsp.server import LanguageServer
@@ -525,20 +525,21 @@ class ComposerServer(LanguageServer):
         running.progress = token
 
     async def cmd_ask(self, args: cmds.AskArgs) -> dict[str, Any]:
-        from opencomposer.agent.session import Session, SessionConfig
+        from opencomposer.agent.factory import open_session
+        from opencomposer.agent.session import SessionConfig
 
         root = self._require_root()
         model = await self.shared.model(args.model or self.model_spec)
         session_id = uuid.uuid4().hex[:12]
         workspace = EditorWorkspace(root, self.buffers, self.editor_link())
-        session = Session(
+        session = open_session(
             model=model,
             workspace=workspace,
             config=SessionConfig(approve=args.approve),  # type: ignore[arg-type]
             on_event=lambda event: self._on_event(session_id, event, root, args.reveal),
             approver=lambda name, a: self._approve(session_id, args.approve, name, a),  # type: ignore[arg-type,return-value]
             traces=self.shared.traces(),
-            index_factory=self.shared.index(root).get,
+            index=self.shared.index(root),
             session_id=session_id,
         )
         task = asyncio.ensure_future(session.run(args.query, context=self._context(args)))
@@ -599,7 +600,7 @@ class ComposerServer(LanguageServer):
     async def cmd_search(self, args: cmds.SearchArgs) -> list[dict[str, Any]]:
         root = self._require_root()
         try:
-            hits = await self.shared.index(root).search(args.query, args.k, args.path)
+            hits = await self.shared.index(root).query(args.query, args.k, args.path)
         except JsonRpcException:
             raise
         except Exception as e:

@@ -19,11 +19,14 @@ Where things run (the design decision this module makes):
   process, protected files restored from the template — and deletes the
   workspace. Setup, verify and copies are the heavy parts; they run in the actors,
   off the caller's event loop, in parallel.
-- **The session loop and the model run in the caller.** The production `Session`
+- **The session loop and the model run in the caller.** The production `Session`,
+  opened by the same factory as `ask` and `serve` (`agent.factory.open_session`),
   drives the model the caller gives (the RL loop shares one vLLM engine across
   episodes) and runs the tools itself against a `LocalWorkspace` on the leased
   folder: the same tool code, with `run_terminal` in the agent core's bubblewrap
-  sandbox. Actors are therefore pinned to the caller's node (node affinity), even
+  sandbox, and `codebase_search` on an index seeded from the task's snapshot
+  (`training/snapshot_index.py`: built once per snapshot, refreshed per episode).
+  Actors are therefore pinned to the caller's node (node affinity), even
   when `address=` joins a cluster; scale out with one caller per node. A tool
   call costs what it costs locally (see `benchmarks/env.py`); `Lease.exec` runs a
   command through the actor instead, for callers that drive tools themselves.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -65,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.training.snapshot_index import SnapshotIndexes
 from opencomposer.training.tasks import ANSWER_FILE, Task, TaskError, safe_extract
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,7 @@ class EnvConfig:
     address: str | None = None  # Ray cluster to join; None starts or reuses a local Ray
     call_timeout_s: float = 120.0  # deadline of an actor call beyond its own work
     max_templates: int = 64  # unpacked tasks kept per actor (LRU)
+    index_cache: Path | None = None  # snapshot indexes (snapshot_index.py); None: ~/.cache/…
 
 
 @dataclass(kw_only=True)
@@ -567,6 +573,7 @@ class EnvironmentServer:
             for i in range(self.config.num_actors)
         ]
         self._load = [0] * len(self.actors)
+        self.indexes = SnapshotIndexes(self.config.index_cache)
         self._models: dict[str, Any] = {}
         self._pids: set[int] = set()  # actor processes seen, so close() can wait them out
 
@@ -638,9 +645,17 @@ class EnvironmentServer:
             if lease is not None:
                 await asyncio.shield(lease.release())
 
-    async def prewarm(self, tasks: list[Task]) -> None:
-        """Build templates and fill warm pools ahead of the episodes."""
+    async def prewarm(self, tasks: list[Task], *, index: bool = False) -> None:
+        """Build templates and fill warm pools ahead of the episodes; with `index`, also
+        the codebase index of each task's snapshot (one build per snapshot, in this
+        process, while the actors prepare workspaces)."""
+
+        async def indexes() -> None:
+            for task in tasks:
+                await asyncio.to_thread(self.indexes.ensure, task)
+
         await asyncio.gather(
+            *([indexes()] if index else []),
             *(
                 self._call(a.prewarm.remote(t), t.command_timeout_s + 60)
                 for t in tasks
@@ -719,7 +734,9 @@ class EnvironmentServer:
     async def _episode(
         self, task: Task, model_spec: Any, session_config: Any, on_event: Any, traces: Any
     ) -> EpisodeResult:
-        from opencomposer.agent.session import Session, SessionConfig
+        from opencomposer.agent.factory import open_session
+        from opencomposer.agent.indexing import IndexHandle
+        from opencomposer.agent.session import SessionConfig
 
         t0 = time.monotonic()
         metrics = EpisodeMetrics()
@@ -732,10 +749,14 @@ class EnvironmentServer:
         cfg = session_config or SessionConfig(approve="all", emit_deltas=False)
         cfg = replace(cfg, sandbox=sandbox_config(task, self.config))
         async with self.lease(task) as lease:
-            session = Session(
+            index = IndexHandle(
+                lease.root, opener=functools.partial(self.indexes.open, task, lease.root)
+            )
+            session = open_session(
                 model=self.model(model_spec),
                 workspace=lease.workspace,
                 config=cfg,
+                index=index,
                 on_event=sink,
                 traces=traces,
             )
@@ -751,6 +772,8 @@ class EnvironmentServer:
                     run.cancel()
                     raise EnvError("the session did not stop after its time limit") from None
                 status = "timeout"
+            finally:
+                await asyncio.to_thread(index.close)
             t_verify = time.monotonic()
             verdict = await lease.verify(answer=result.answer, tool_ok=metrics.tool_ok > 0)
             verify_s = time.monotonic() - t_verify

@@ -63,7 +63,9 @@ from opencomposer.training.trainer import (
 )
 from opencomposer.training.weight_sync import ModuleReceiver, VersionedModel, WeightSync
 
-OK_STATUSES = frozenset({"completed", "max_turns", "max_tokens"})
+# Statuses whose turns are trained on (a degenerate `repetition` reply included: its
+# low reward is what teaches the policy out of it).
+OK_STATUSES = frozenset({"completed", "max_turns", "max_tokens", "repetition"})
 METRIC_KEYS = {  # env metrics -> rollout stats
     "tool_calls": "tool_calls",
     "parallel_calls_per_turn": "parallel_calls_per_turn",

@@ -14,6 +14,11 @@ task that starts on the first `__anext__`, so:
   produced before it, with `output.finish_reason == "error"`.
 
 `output.meta` gets `time_to_first_token_s` and `duration_s`.
+
+Every stream also passes through a `RepetitionGuard`: a reply that keeps repeating
+itself ("a mix of a mix of …") is stopped as soon as the guard sees it, the
+producer is cancelled, and `output.finish_reason` is "repetition" (the session then
+ends with status `repetition` instead of spending its whole token budget).
 """
 
 from __future__ import annotations
@@ -30,10 +35,77 @@ Producer = Callable[[TurnOutput, Emit], Awaitable[None]]
 _DONE = object()
 
 
+class RepetitionGuard:
+    """Detects degenerate output: the last `span` characters are one block of `p`
+    characters (`p <= max_period`) repeated exactly, where `span = max(min_chars,
+    repeats * p)`.
+
+    Legitimate text rarely does that: code with many similar lines differs in names
+    and numbers, and a separator line or an indented block is far shorter than
+    `min_chars`. The check runs once per `every` new characters and costs a few
+    C-level searches over at most `window` characters (the last `probe`
+    characters' nearest earlier occurrences give the candidate periods), so the
+    guard is amortised O(1) per character of output.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_chars: int = 800,
+        repeats: int = 4,
+        max_period: int = 200,
+        every: int = 64,
+        probe: int = 24,
+        candidates: int = 8,
+    ) -> None:
+        self.min_chars = min_chars
+        self.repeats = repeats
+        self.max_period = max_period
+        self.every = every
+        self.probe = probe
+        self.candidates = candidates
+        self.window = max(min_chars, repeats * max_period)
+        self._unchecked = 0
+
+    def feed(self, text: str, added: int) -> int | None:
+        """`text` is the whole reply so far, `added` the characters new since the last
+        call; the period of the repetition when it is degenerate, else None."""
+        self._unchecked += added
+        if self._unchecked < self.every or len(text) < self.min_chars:
+            return None
+        self._unchecked = 0
+        return self.period(text)
+
+    def period(self, text: str) -> int | None:
+        s = text[-self.window :]
+        n, probe = len(s), min(self.probe, len(s) // 2)
+        if n < self.min_chars or probe < 1:
+            return None
+        tail = s[-probe:]
+        end = n - 1  # an occurrence must end before the last character: period >= 1
+        for _ in range(self.candidates):
+            j = s.rfind(tail, 0, end)
+            if j < 0:
+                return None
+            p = n - probe - j
+            if p > self.max_period:
+                return None
+            span = max(self.min_chars, self.repeats * p)
+            if span > n:
+                return None
+            block = s[n - span :]
+            if block[p:] == block[:-p]:
+                return p
+            end = j + probe - 1  # the next candidate lies further back
+        return None
+
+
 class TaskStream:
-    def __init__(self, produce: Producer) -> None:
+    def __init__(self, produce: Producer, *, guard: RepetitionGuard | None = None) -> None:
         self.output: TurnOutput | None = None
         self._produce = produce
+        self._guard = guard if guard is not None else RepetitionGuard()
+        self._repeated: int | None = None
         self._partial = TurnOutput(text="")
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -75,12 +147,17 @@ class TaskStream:
                 self._task.cancel()
 
     def _emit(self, delta: str) -> None:
-        if not delta:
+        if not delta or self._repeated is not None:
             return
         if self._first is None:
             self._first = time.monotonic()
         self._partial.text += delta
         self._queue.put_nowait(delta)
+        period = self._guard.feed(self._partial.text, len(delta))
+        if period is not None:
+            self._repeated = period
+            if self._task is not None and not self._task.done():
+                self._task.cancel()  # the producer stops at its next await
 
     async def _run(self) -> None:
         try:
@@ -100,6 +177,9 @@ class TaskStream:
 
     def _finish(self) -> None:
         out = self._partial
+        if self._repeated is not None:
+            out.finish_reason = "repetition"
+            out.meta["repetition_period"] = self._repeated
         now = time.monotonic()
         if self._started:
             out.meta.setdefault("duration_s", round(now - self._started, 4))

@@ -1,8 +1,8 @@
 """`codebase_search` in a real agent session over the real index.
 
-A `Session` (scripted model, local workspace) opens the workspace's index
-lazily through the same `IndexHandle` that `opencomposer ask` and the
-language server use, builds it, and the tool result lists ranked
+A session opened by the factory every front door uses (`agent.factory`:
+scripted model, local workspace) opens the workspace's index lazily, builds
+it, and the tool result lists ranked
 `path:start-end (score) symbol` chunks. The tiny random-weight embedder keeps
 this fast, so relevance here comes from the lexical half;
 `test_index_minilm.py` checks the dense half with MiniLM.
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from opencomposer.agent.backends.scripted import ScriptedModel
-from opencomposer.agent.session import Session, SessionConfig
-from opencomposer.server.indexes import IndexHandle
+from opencomposer.agent.factory import open_session
+from opencomposer.agent.session import SessionConfig
 from opencomposer.tools.workspace import LocalWorkspace
 
 
@@ -24,12 +24,11 @@ async def test_codebase_search_in_an_agent_session(workspace: Path, embedder_env
     call = '<codebase_search query="retry with backoff after failed attempts" k="3"/>'
     model = ScriptedModel([call, "It is retry_with_backoff in src/retry.py."])
     events: list[dict[str, Any]] = []
-    session = Session(
+    session = open_session(
         model=model,
         workspace=LocalWorkspace(workspace),
         config=SessionConfig(emit_deltas=False),
         on_event=events.append,
-        index_factory=IndexHandle(workspace).get,
     )
     result = await session.run("where do we retry?")
     assert result.status == "completed"

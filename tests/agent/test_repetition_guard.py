@@ -1,0 +1,127 @@
+"""The repetition guard in the stream layer that every backend's turns pass through
+(`agent/backends/_stream.py`), and the session status it leads to.
+
+Guards: a reply that repeats one phrase ("a mix of a mix of …", the embedded model's
+degenerate answer to the demo) is stopped long before it would have ended, the
+producer is cancelled, `finish_reason` is "repetition" and the session ends with
+status `repetition`; legitimate repetitive code (many similar lines, a separator,
+this repository's own sources) never trips it; the guard's work stays bounded by
+the output's length (one check per `every` characters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from opencomposer.agent.backends._stream import RepetitionGuard, TaskStream
+from opencomposer.agent.protocols import TurnOutput
+from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.tools.workspace import LocalWorkspace
+
+from tests.agent.conftest import scripted
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fires(text: str, chunk: int = 7) -> int | None:
+    """Feed `text` as a stream in `chunk`-character deltas; the offset where it fired."""
+    guard = RepetitionGuard()
+    sent = ""
+    for i in range(0, len(text), chunk):
+        sent += text[i : i + chunk]
+        if guard.feed(sent, len(text[i : i + chunk])) is not None:
+            return len(sent)
+    return None
+
+
+def test_degenerate_phrases_fire_early() -> None:
+    for phrase in ("a mix of ", "ab", "\n", '<read_file path="a.py"/>\n', "x" * 150 + "y"):
+        text = "Sure. " + phrase * (4000 // len(phrase) + 1)
+        at = _fires(text)
+        assert at is not None and at <= 1200, (phrase, at)
+
+
+def test_legitimate_repetitive_code_does_not_fire() -> None:
+    table = "".join(f"    'item_{i:03d}': {i * 7 % 13},\n" for i in range(400))
+    tests = "".join(
+        f"def test_case_{i}():\n    assert add({i}, 1) == {i + 1}\n\n\n" for i in range(120)
+    )
+    sep = "".join("#" * 79 + f"\ndef f{i}():\n    return {i}\n" for i in range(30))
+    csv = "".join(f"{i},{i * i},{(i * 37) % 101}\n" for i in range(600))
+    for text in (table, tests, sep, csv):
+        assert _fires(text) is None, text[:80]
+    sources = sorted((ROOT / "agent").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
+    assert len(sources) > 10
+    for path in sources:
+        assert _fires(path.read_text(encoding="utf-8"), chunk=13) is None, path
+
+
+def test_checks_are_amortised(monkeypatch) -> None:
+    guard = RepetitionGuard()
+    calls = 0
+    real = guard.period
+
+    def counting(text: str) -> int | None:
+        nonlocal calls
+        calls += 1
+        return real(text)
+
+    monkeypatch.setattr(guard, "period", counting)
+    text = (ROOT / "agent" / "session.py").read_text() * 3
+    sent = ""
+    for ch in text:
+        sent += ch
+        guard.feed(sent, 1)
+    assert calls <= len(text) // guard.every + 1
+
+
+async def test_stream_stops_a_producer_that_never_ends() -> None:
+    """Any backend's producer: the guard cancels it and the stream ends."""
+    produced = 0
+
+    async def produce(out: TurnOutput, emit) -> None:
+        nonlocal produced
+        while True:  # a model that would repeat until its token budget
+            emit("a mix of ")
+            produced += 1
+            await asyncio.sleep(0)
+
+    stream = TaskStream(produce)
+    got = "".join([d async for d in stream])
+    assert stream.output is not None and stream.output.finish_reason == "repetition"
+    assert stream.output.meta["repetition_period"] == len("a mix of ")
+    assert got == stream.output.text and len(got) < 1200 and produced < 140
+
+
+async def test_session_ends_with_repetition_status(tmp_path: Path) -> None:
+    reply = "Here is the fix: " + "a mix of " * 1000
+    model = scripted(reply, "never reached", cps=20_000.0)
+    events: list[dict] = []
+    session = Session(
+        model=model,
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all"),
+        on_event=events.append,
+    )
+    result = await session.run("fix the bug")
+    assert result.status == "repetition"
+    assert "repeating itself" in (result.error or "")
+    assert len(result.turns) == 1
+    assert len(result.turns[0].output.text) < len(reply) // 3  # stopped early
+    assert events[-1]["type"] == "session_end" and events[-1]["status"] == "repetition"
+
+
+async def test_session_with_long_similar_lines_completes(tmp_path: Path) -> None:
+    content = "".join(
+        f"COLOR_{i} = ({i % 256}, {i * 3 % 256}, {i * 7 % 256})\n" for i in range(300)
+    )
+    turn = f'<write_file path="colors.py">\n<content>\n{content}</content>\n</write_file>'
+    session = Session(
+        model=scripted(turn, "Wrote colors.py.", cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all"),
+    )
+    result = await session.run("write the colour table")
+    assert result.status == "completed" and result.answer == "Wrote colors.py."
+    assert (tmp_path / "colors.py").read_text().count("COLOR_") == 300
