@@ -5,30 +5,46 @@ loop writes after every step, so a crash or a killed process loses at most the s
 in flight. Everything textual passes through the `Redactor` first; a turn whose text
 needed redaction keeps no token ids (they would spell the secret back out).
 
+A session row names the process that writes it (`owner`: host, boot, pid
+namespace, pid and that pid's start time). A process killed with SIGKILL never
+ends its sessions, so whenever sessions are read, a `running` session whose
+owner is gone (same host and boot, and no process with that pid and start time)
+is marked `interrupted`, in the database too.
+
+Everything stored as JSON is written strictly (`allow_nan=False`): NaN and
+infinities (a -inf logprob, a NaN reward) become null, so exports are valid JSON.
+
 Run `opencomposer traces list|show|export` to read it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
+import socket
 import sqlite3
-import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.redact import Redactor
+from opencomposer.agent.redact import Redactor, names_env_file
+from opencomposer.tools.git import Git, GitError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+INTERRUPTED = "interrupted"  # the status of a session whose process died mid-run
+UNTRACKED_MAX_FILES = 200
+UNTRACKED_MAX_BYTES = 1_000_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS sessions (
   id TEXT PRIMARY KEY, started REAL, ended REAL, status TEXT, workspace TEXT,
   git_head TEXT, git_diff TEXT, model TEXT, sampling TEXT, query TEXT, answer TEXT,
-  turns INTEGER DEFAULT 0, tool_calls INTEGER DEFAULT 0, meta TEXT
+  turns INTEGER DEFAULT 0, tool_calls INTEGER DEFAULT 0, meta TEXT,
+  pid INTEGER, owner TEXT
 );
 CREATE TABLE IF NOT EXISTS turns (
   session_id TEXT, turn INTEGER, messages TEXT, text TEXT, finish_reason TEXT,
@@ -49,6 +65,8 @@ CREATE TABLE IF NOT EXISTS edits (
 );
 CREATE INDEX IF NOT EXISTS sessions_started ON sessions(started);
 """
+# Columns added after version 1: (table, column, type), added to older files on open.
+_ADDED = (("sessions", "pid", "INTEGER"), ("sessions", "owner", "TEXT"))
 
 
 def home() -> Path:
@@ -56,25 +74,132 @@ def home() -> Path:
 
 
 def git_state(root: Path) -> tuple[str | None, str]:
-    """HEAD and the uncommitted diff (untracked text files included as new files)."""
+    """HEAD and the uncommitted diff (untracked files up to 1 MB included as new files).
 
-    def git(*args: str, ok: tuple[int, ...] = (0,)) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout if out.returncode in ok else None
-
-    head = git("rev-parse", "HEAD")
-    if head is None:
+    The workspace is untrusted: git runs through `tools.git`, so nothing the
+    repository configures (fsmonitor, hooks, filters, external diff, …) runs.
+    """
+    git = Git.find(root)
+    if git is None:
         return None, ""
-    diff = git("diff", "--binary", "HEAD") or ""
-    for rel in (git("ls-files", "--others", "--exclude-standard") or "").splitlines()[:200]:
+    try:
+        head = git.run("rev-parse", "--verify", "--quiet", "HEAD^{commit}", cwd=root)
+        if head.returncode != 0:
+            return None, ""
+        diff = git.run("diff", "--binary", "HEAD", cwd=root).stdout
+        listed = git.run("ls-files", "-z", "--others", "--exclude-standard", cwd=root).stdout
+        new = [p for p in os.fsdecode(listed).split("\0") if p and _small_file(root / p)]
         # `diff --no-index` exits 1 when the files differ, as a new file always does.
-        diff += git("diff", "--no-index", "--binary", "/dev/null", rel, ok=(0, 1)) or ""
-    return head.strip(), diff
+        diff += git.run_each(
+            ["diff", "--no-index", "--binary", "--", "/dev/null"],
+            new[:UNTRACKED_MAX_FILES],
+            cwd=root,
+        )
+    except GitError:
+        return None, ""
+    return head.stdout.decode().strip(), diff.decode(errors="replace")
+
+
+def _small_file(path: Path) -> bool:
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return st.st_size <= UNTRACKED_MAX_BYTES
+
+
+# -- which process owns a running session ------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+@functools.cache
+def _machine() -> tuple[str, str, str]:
+    """(host, boot id, pid namespace) of this process: where a pid means something."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return socket.gethostname(), _read("/proc/sys/kernel/random/boot_id") or "", ns
+
+
+def _owner(pid: int) -> str | None:
+    start = _start_time(pid)
+    if start is None:
+        return None
+    return json.dumps([*_machine(), pid, start])
+
+
+def _owner_gone(owner: str) -> bool:
+    """True only when the owner is surely dead: same machine, and its pid is free or
+    now belongs to a process started at another time. Another host: unknown."""
+    try:
+        host, boot, ns, pid, start = json.loads(owner)
+    except (ValueError, TypeError):
+        return False
+    here_host, here_boot, here_ns = _machine()
+    if host != here_host or not boot:
+        return False
+    if boot != here_boot:
+        return True  # the machine rebooted since
+    if ns != here_ns:
+        return False
+    return _start_time(int(pid)) != start
+
+
+# -- strict JSON ----------------------------------------------------------------------
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **kw: Any) -> str:
+    """Strict JSON: NaN and infinities written as null."""
+    return json.dumps(finite(value), allow_nan=False, **kw)
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _redact_json(value: Any, redactor: Redactor) -> Any:
+    """Every string inside `value` redacted (before encoding: line rules see real lines)."""
+    if isinstance(value, str):
+        return redactor(value)
+    if isinstance(value, dict):
+        return {k: _redact_json(v, redactor) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact_json(v, redactor) for v in value]
+    return value
 
 
 class TraceStore:
@@ -89,6 +214,13 @@ class TraceStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        for table, column, kind in _ADDED:
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                try:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError:
+                    pass  # another process added it first
         self._db.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
@@ -105,8 +237,11 @@ class TraceStore:
         with self._lock:
             self._db.execute(sql, args)
 
+    def _redactor(self, session_id: str) -> Redactor:
+        return self._redactors.get(session_id) or Redactor()
+
     def _redact(self, session_id: str, text: str | None) -> str | None:
-        return self._redactors.get(session_id, Redactor())(text)
+        return self._redactor(session_id)(text)
 
     # -- writing (the session loop) -------------------------------------------
 
@@ -116,9 +251,10 @@ class TraceStore:
         redactor = Redactor.for_workspace(workspace)
         self._redactors[session_id] = redactor
         head, diff = git_state(workspace)
+        pid = os.getpid()
         self._exec(
             "INSERT OR REPLACE INTO sessions (id, started, status, workspace, git_head, git_diff,"
-            " model, sampling, query) VALUES (?,?,?,?,?,?,?,?,?)",
+            " model, sampling, query, pid, owner) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 session_id,
                 time.time(),
@@ -126,9 +262,11 @@ class TraceStore:
                 str(workspace),
                 head,
                 redactor(diff),
-                model,
-                json.dumps(sampling),
+                redactor(model),
+                dumps(sampling),
                 redactor(query),
+                pid,
+                _owner(pid),
             ),
         )
 
@@ -142,7 +280,7 @@ class TraceStore:
         t_start: float,
         t_end: float,
     ) -> None:
-        redactor = self._redactors.get(session_id, Redactor())
+        redactor = self._redactor(session_id)
         text = output.text
         clean = redactor(text) or ""
         clean_messages = [{**m, "content": redactor(m["content"])} for m in messages]
@@ -151,14 +289,14 @@ class TraceStore:
         )
 
         def ids(v: Any) -> str | None:
-            return None if v is None or redacted else json.dumps(v)
+            return None if v is None or redacted else dumps(v)
 
         self._exec(
             "INSERT OR REPLACE INTO turns VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 session_id,
                 turn,
-                json.dumps(clean_messages),
+                dumps(clean_messages),
                 clean,
                 output.finish_reason,
                 ids(output.prompt_token_ids),
@@ -187,6 +325,11 @@ class TraceStore:
         t_start: float,
         t_end: float,
     ) -> None:
+        redactor = self._redactor(session_id)
+        if any(names_env_file(s) for s in _strings(args)):
+            clean = redactor.env_file(result)  # every value of a .env file is a secret
+        else:
+            clean = redactor(result)
         self._exec(
             "INSERT OR REPLACE INTO tool_calls VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
@@ -195,9 +338,9 @@ class TraceStore:
                 call_id,
                 index,
                 name,
-                self._redact(session_id, json.dumps(args)),
+                dumps(_redact_json(args, redactor)),
                 status,
-                self._redact(session_id, result),
+                clean,
                 t_start,
                 t_end,
             ),
@@ -215,7 +358,8 @@ class TraceStore:
         after: str | None,
         diff: str,
     ) -> None:
-        r = self._redactors.get(session_id, Redactor())
+        redactor = self._redactor(session_id)
+        r = redactor.env_file if names_env_file(path) else redactor
         self._exec(
             "INSERT OR REPLACE INTO edits (session_id, seq, turn, call_id, path, before, after, diff)"
             " VALUES (?,?,?,?,?,?,?,?)",
@@ -236,8 +380,8 @@ class TraceStore:
 
     def set_meta(self, session_id: str, **meta: Any) -> None:
         current = self.get(session_id) or {}
-        merged = {**(current.get("meta") or {}), **meta}
-        self._exec("UPDATE sessions SET meta=? WHERE id=?", (json.dumps(merged), session_id))
+        merged = {**(current.get("meta") or {}), **_redact_json(meta, self._redactor(session_id))}
+        self._exec("UPDATE sessions SET meta=? WHERE id=?", (dumps(merged), session_id))
 
     def record_decision(self, session_id: str, path: str, decision: str) -> int:
         """The user's accept / reject / undo of a session's edits to `path` (all files if "*")."""
@@ -251,6 +395,20 @@ class TraceStore:
             return cur.rowcount
 
     # -- reading ---------------------------------------------------------------
+
+    def reap(self) -> list[str]:
+        """Mark `interrupted` every running session whose owning process is gone."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, owner FROM sessions WHERE status='running' AND owner IS NOT NULL"
+            ).fetchall()
+            gone = [r for r in rows if _owner_gone(r["owner"])]
+            for r in gone:
+                self._db.execute(
+                    "UPDATE sessions SET status=? WHERE id=? AND status='running' AND owner=?",
+                    (INTERRUPTED, r["id"], r["owner"]),
+                )
+        return [r["id"] for r in gone]
 
     def resolve(self, prefix: str) -> str:
         """The full id of the one session whose id starts with `prefix`."""
@@ -266,6 +424,7 @@ class TraceStore:
         return rows[0]["id"]
 
     def list_sessions(self, limit: int = 50) -> list[dict[str, Any]]:
+        self.reap()
         with self._lock:
             rows = self._db.execute(
                 "SELECT s.id, s.started, s.ended, s.status, s.workspace, s.model, s.query, s.turns,"
@@ -274,10 +433,12 @@ class TraceStore:
                 (limit,),
             ).fetchall()
         return [
-            {"session_id": r["id"], **{k: v for k, v in dict(r).items() if k != "id"}} for r in rows
+            finite({"session_id": r["id"], **{k: v for k, v in dict(r).items() if k != "id"}})
+            for r in rows
         ]
 
     def get(self, session_id: str) -> dict[str, Any] | None:
+        self.reap()
         with self._lock:
             row = self._db.execute("SELECT * FROM sessions WHERE id=?", (session_id,)).fetchone()
         if row is None:
@@ -286,7 +447,7 @@ class TraceStore:
         out["session_id"] = out.pop("id")
         out["sampling"] = json.loads(out["sampling"] or "{}")
         out["meta"] = json.loads(out["meta"] or "{}")
-        return out
+        return finite(out)
 
     def export(self, session_id: str) -> dict[str, Any]:
         """The whole trace as one JSON-ready dict (turns with token ids, calls, edits)."""
@@ -321,7 +482,7 @@ class TraceStore:
             for c in calls
         ]
         session["edits"] = [{k: v for k, v in dict(e).items() if k != "session_id"} for e in edits]
-        return session
+        return finite(session)
 
 
 def _loads(v: str | None) -> Any:

@@ -1,4 +1,8 @@
-"""`opencomposer traces list|show|export|submit`."""
+"""`opencomposer traces list|show|export|submit`.
+
+JSON output is strict (no NaN or Infinity: they are written as null), and reading
+marks sessions whose process died `interrupted` (see `agent.traces`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from opencomposer.agent.traces import TraceStore
+from opencomposer.agent.traces import TraceStore, dumps
 
 
 def main(a: argparse.Namespace) -> int:
@@ -24,7 +28,7 @@ def main(a: argparse.Namespace) -> int:
 def _list(store: TraceStore, a: argparse.Namespace) -> int:
     rows = store.list_sessions(a.limit)
     if a.json:
-        print(json.dumps(rows, indent=2))
+        print(dumps(rows, indent=2))
         return 0
     if not rows:
         print(f"no sessions yet in {store.path}")
@@ -68,7 +72,7 @@ def _show(store: TraceStore, a: argparse.Namespace) -> int:
 
 
 def _export(store: TraceStore, a: argparse.Namespace) -> int:
-    data = json.dumps(store.export(store.resolve(a.session)), indent=2)
+    data = dumps(store.export(store.resolve(a.session)), indent=2)
     if a.out:
         Path(a.out).write_text(data)
         print(a.out)
