@@ -6,7 +6,9 @@ calls `run_bench`, which runs each task once as an episode (the production
 
 - `report.json` — `{resolve_rate, mean_reward, wall_s: {p50, p90}, tokens, tool_calls,
   parallel_calls_per_turn, reads_before_first_edit, searches_before_first_edit,
-  edit_failures, statuses, tasks: [{id, resolved, reward, status, …}], …}`
+  edit_failures, statuses, errors: {task id: one line}, tasks: [{id, resolved,
+  reward, status, error, …}], …}` — a task that cannot run (a repo.tar entry that
+  escapes, a failing setup) is one row with its status and a one-line error
 - `report.md` — the same as a Markdown summary and per-task table
 - `wall_time.png`, `per_task.png` — plots (matplotlib, Agg backend)
 
@@ -133,7 +135,7 @@ def make_report(
                 "parts": r.parts,
                 "source": by_id[r.task_id].source if r.task_id in by_id else "",
                 "session_id": r.session_id,
-                "error": r.error,
+                "error": _one_line(r.error) if r.error else r.error,
             }
         )
     n = len(rows)
@@ -161,6 +163,8 @@ def make_report(
         "searches_before_first_edit": _mean(rows, "searches_before_first_edit"),
         "edit_failures": sum(row["edit_failures"] for row in rows),
         "statuses": dict(Counter(row["status"] for row in rows)),
+        # one line per task that could not run or failed in the environment
+        "errors": {row["id"]: row["error"] for row in rows if row["error"]},
         "tasks": rows,
     }
     return report
@@ -203,7 +207,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['parallel_calls_per_turn']:.2f} | {r['reads_before_first_edit']} | "
             f"{r['searches_before_first_edit']} | {r['edit_failures']} |"
         )
+    if report.get("errors"):
+        lines += ["", "## Errors", ""]
+        lines += [f"- {task}: {error}" for task, error in report["errors"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str) -> str:
+    """An error as one line: whitespace and line breaks folded, at most 300 characters."""
+    return " ".join(str(text).split())[:300]
 
 
 def plot(report: dict[str, Any], out: Path) -> None:

@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
+import posixpath
 import re
 import shutil
-import subprocess
 import tarfile
 import tempfile
 import tomllib
@@ -52,6 +51,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from opencomposer.tools.git import Git, GitError, run_git
 
 TASK_FILE = "task.toml"
 REPO_TAR = "repo.tar"
@@ -335,31 +336,66 @@ def _walk(root: Path, skip: frozenset[str]) -> Iterable[Path]:
 
 def safe_extract(tar_path: Path, dest: Path) -> None:
     """Unpack `repo.tar` into `dest`, refusing any entry that would land outside it
-    (`../`, absolute paths, links pointing out, devices). TaskError names the entry."""
+    (`../`, absolute paths, links pointing out, devices). TaskError names the entry.
+
+    Tars made the usual way (`tar -cf repo.tar -C repo .`) hold a `.` entry for the
+    root and `./`-prefixed names: those are the workspace itself and inside it.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(tar_path) as tar:
-            for member in tar.getmembers():
-                _check_member(member, dest)
-            tar.extractall(dest, filter="data")
+            _extract(tar, dest)
     except tarfile.FilterError as e:
         raise TaskError(f"{tar_path}: unsafe entry: {_one_line(str(e))}") from None
     except (tarfile.TarError, OSError, EOFError) as e:
         raise TaskError(f"{tar_path}: unreadable tar: {_one_line(str(e))}") from None
 
 
-def _check_member(m: tarfile.TarInfo, dest: Path) -> None:
+def _extract(tar: tarfile.TarFile, dest: Path, *, forbid: frozenset[str] = frozenset()) -> None:
+    """Check every member, then extract with tarfile's `data` filter, which also
+    refuses links that only escape through other links (`a -> .`, `a/b -> ../..`)."""
+    members = []
+    for member in tar.getmembers():
+        rel = _check_member(member, forbid=forbid)
+        if rel != ".":
+            members.append(member)
+    tar.extractall(dest, members=members, filter="data")
+
+
+def _member_path(name: str) -> str:
+    """An entry's name as a workspace-relative path: `./a/b` and `a//b/` are `a/b`,
+    `.` and `./` are the root `.`; absolute names stay absolute (and are refused)."""
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        return name
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    return "/".join(parts) or "."
+
+
+def _check_member(m: tarfile.TarInfo, *, forbid: frozenset[str] = frozenset()) -> str:
+    """The member's normalised path; TaskError if it is not a plain file, folder or
+    link that stays inside the workspace."""
     name = m.name
-    if name.startswith("/") or re.match(r"^[A-Za-z]:", name) or not _safe_rel(name):
+    rel = _member_path(name)
+    if rel.startswith("/") or re.match(r"^[A-Za-z]:", rel) or ".." in rel.split("/"):
         raise TaskError(f"repo.tar entry {name!r} escapes the workspace")
+    if forbid & set(rel.split("/")):
+        raise TaskError(f"repo.tar entry {name!r} is not allowed here")
     if m.isdev() or m.isfifo():
         raise TaskError(f"repo.tar entry {name!r} is a device or fifo")
+    if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
+        raise TaskError(f"repo.tar entry {name!r} is not a file, folder or link")
+    if rel == "." and not m.isdir():
+        raise TaskError(f"repo.tar entry {name!r} is the workspace itself but not a folder")
     if m.issym() or m.islnk():
         target = m.linkname
-        base = Path(name).parent if m.issym() else Path()
-        resolved = os.path.normpath(base / target)
-        if target.startswith("/") or resolved == ".." or resolved.startswith("../"):
+        if target.startswith("/") or re.match(r"^[A-Za-z]:", target):
             raise TaskError(f"repo.tar entry {name!r} links outside the workspace ({target})")
+        # a symlink resolves from its folder; a hard link names another entry
+        base = posixpath.dirname(rel) if m.issym() else ""
+        resolved = posixpath.normpath(posixpath.join(base, _member_path(target)))
+        if resolved == ".." or resolved.startswith("../"):
+            raise TaskError(f"repo.tar entry {name!r} links outside the workspace ({target})")
+    return rel
 
 
 def _safe_rel(path: str) -> bool:
@@ -465,32 +501,35 @@ def _exit_code(result: str) -> int | None:
 
 
 def _rebuild_from_git(workspace: Path, head: str, diff: str, dest: Path) -> None:
-    if not (workspace / ".git").exists():
+    """The workspace at HEAD plus the recorded diff. The repository is untrusted:
+    git runs with its programs disabled (`tools.git`), the archive is unpacked with
+    the repo.tar checks, and `git apply` may write only into `dest`."""
+    git = Git.find(workspace) if (workspace / ".git").exists() else None
+    if git is None:
         raise TaskError(f"{workspace}: the session's git repository is gone")
     dest.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(workspace), "archive", "--format=tar", head],
-        capture_output=True,
-        timeout=120,
-    )
-    if archive.returncode != 0:
-        raise TaskError(
-            f"{workspace}: git archive {head[:12]} failed: {_one_line(archive.stderr.decode())}"
-        )
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(dest, filter="data")
-    if diff.strip():
-        applied = subprocess.run(
-            ["git", "apply", "--whitespace=nowarn", "-"],
-            input=diff.encode(),
-            cwd=dest,
-            capture_output=True,
-            timeout=60,
-        )
-        if applied.returncode != 0:
+    try:
+        archive = git.run("archive", "--format=tar", head, cwd=workspace, timeout=120)
+        if archive.returncode != 0:
             raise TaskError(
-                f"the recorded uncommitted diff does not apply: {_one_line(applied.stderr.decode())}"
+                f"{workspace}: git archive {head[:12]} failed: {_one_line(archive.stderr.decode())}"
             )
+        try:
+            with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+                _extract(tar, dest, forbid=frozenset({".git"}))
+        except (tarfile.TarError, OSError) as e:
+            raise TaskError(f"{workspace}: git archive {head[:12]}: {_one_line(str(e))}") from None
+        if diff.strip():
+            applied = run_git(
+                ["apply", "--whitespace=nowarn", "-"], cwd=dest, input=diff.encode(), writable=dest
+            )
+            if applied.returncode != 0:
+                raise TaskError(
+                    "the recorded uncommitted diff does not apply: "
+                    + _one_line(applied.stderr.decode())
+                )
+    except GitError as e:
+        raise TaskError(f"{workspace}: {e}") from None
 
 
 def _rebuild_by_reverting(workspace: Path, trace: dict[str, Any], dest: Path) -> None:

@@ -63,3 +63,50 @@ def test_report_math_and_errors(tmp_path: Path) -> None:
         run_bench(tmp_path, model="scripted:x", concurrency=0, out=tmp_path / "o")
     with pytest.raises(TaskError, match="no task suite"):
         run_bench(tmp_path / "nope", model="scripted:x", concurrency=1, out=tmp_path / "o")
+
+
+@pytest.mark.skipif(
+    shutil.which("bwrap") is None or shutil.which("tar") is None, reason="needs bwrap and tar"
+)
+def test_usual_tars_run_and_escapes_are_one_line_in_the_report(tmp_path: Path) -> None:
+    """Issue 19 item 14: a repo.tar made with `tar -cf repo.tar -C repo .` was refused,
+    and a refused tar reached the report as Ray's remote traceback."""
+    import io
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "value.txt").write_text("42\n")
+    suite = tmp_path / "suite"
+    usual = suite / "usual"
+    usual.mkdir(parents=True)
+    subprocess.run(["tar", "-cf", str(usual / "repo.tar"), "-C", str(repo), "."], check=True)
+    (usual / "task.toml").write_text('query = "q"\nverify = "grep -q 42 value.txt"\n')
+    for name, member in (
+        ("dotdot", tarfile.TarInfo("./../escaped.txt")),
+        ("symlink", tarfile.TarInfo("./out")),
+    ):
+        task = suite / name
+        task.mkdir()
+        if name == "symlink":
+            member.type, member.linkname = tarfile.SYMTYPE, str(tmp_path / "escaped.txt")
+        with tarfile.open(task / "repo.tar", "w") as tar:
+            member.size = 1 if member.isreg() else 0
+            tar.addfile(member, io.BytesIO(b"x") if member.isreg() else None)
+        (task / "task.toml").write_text('query = "q"\nverify = "true"\n')
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"turns": ["done"]}))
+    report = run_bench(suite, model=f"scripted:{model}", concurrency=2, out=tmp_path / "out")
+
+    rows = {r["id"]: r for r in report["tasks"]}
+    assert rows["usual"]["resolved"] and rows["usual"]["status"] == "completed"
+    for name in ("dotdot", "symlink"):
+        assert rows[name]["status"] == "task_error"
+        error = report["errors"][name]
+        assert "\n" not in error and "Traceback" not in error and "ray::" not in error
+        assert error.startswith("repo.tar entry") and ("outside" in error or "escapes" in error)
+    assert "usual" not in report["errors"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Errors" in md and md.count("- dotdot: repo.tar entry") == 1
+    assert not (tmp_path / "escaped.txt").exists()

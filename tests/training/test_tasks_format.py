@@ -164,6 +164,83 @@ def test_inside_links_are_fine(tmp_path: Path) -> None:
     assert (tmp_path / "ws" / "sub" / "link").read_text() == "ok"
 
 
+def _chain_tar() -> bytes:
+    """Links that only escape through another link: `d/up -> ..` is the root, so
+    `d/up/out -> ..` lands outside although each link alone looks inside."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.addfile(_info("d", tarfile.DIRTYPE))
+        tar.addfile(_info("d/up", tarfile.SYMTYPE, ".."))
+        tar.addfile(_info("d/up/out", tarfile.SYMTYPE, ".."))
+        evil = _info("d/up/out/escape.txt")
+        evil.size = 1
+        tar.addfile(evil, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        _info("./../escape.txt"),
+        _info("./a/./../../escape.txt"),
+        _info(".//../escape.txt"),
+        _info("./link", tarfile.SYMTYPE, "./../../outside"),
+        _info("./hard", tarfile.LNKTYPE, "./../outside"),
+        _info("./hard-abs", tarfile.LNKTYPE, "/etc/passwd"),
+        _info("./fifo", tarfile.FIFOTYPE),
+        _info("./blk", tarfile.BLKTYPE),
+        _info(".", tarfile.SYMTYPE, "/"),
+        _info("./", tarfile.REGTYPE),
+    ],
+    ids=lambda m: f"{m.name}:{m.type.decode()}",
+)
+def test_dot_slash_escapes_are_still_refused(tmp_path: Path, member: tarfile.TarInfo) -> None:
+    """Accepting `.` and `./` names must not let `./..`, links or special files through."""
+    tar = tmp_path / "repo.tar"
+    tar.write_bytes(_tar_with(member, b"pwned"))
+    dest = tmp_path / "a" / "b" / "ws"
+    with pytest.raises(TaskError) as e:
+        safe_extract(tar, dest)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "a" / "b" / "escape.txt").exists()
+    assert not (tmp_path / "a" / "b" / "outside").exists()
+
+
+def test_links_escaping_through_links_are_refused(tmp_path: Path) -> None:
+    tar = tmp_path / "repo.tar"
+    tar.write_bytes(_chain_tar())
+    dest = tmp_path / "a" / "ws"
+    with pytest.raises(TaskError) as e:
+        safe_extract(tar, dest)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "a" / "escape.txt").exists()
+    assert not (tmp_path / "escape.txt").exists()
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs tar")
+def test_repo_tar_made_the_usual_way_loads_and_unpacks(tmp_path: Path) -> None:
+    """Issue 19 item 14: `tar -cf repo.tar -C repo .` writes a `.` entry and `./`-prefixed
+    names; it was refused as "escapes the workspace"."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "m.py").write_text("def f():\n    return 1\n")
+    (repo / "README").write_text("hi\n")
+    (repo / "link").symlink_to("pkg/m.py")
+    task = tmp_path / "task"
+    task.mkdir()
+    subprocess.run(["tar", "-cf", str(task / "repo.tar"), "-C", str(repo), "."], check=True)
+    with tarfile.open(task / "repo.tar") as made:
+        names = made.getnames()
+    assert "." in names and "./pkg/m.py" in names  # what the usual way writes
+    (task / "task.toml").write_text('query = "q"\nverify = "true"\n')
+    loaded = load_task(task)
+    ws = tmp_path / "ws"
+    safe_extract(loaded.repo_tar, ws)
+    assert (ws / "pkg" / "m.py").read_text() == "def f():\n    return 1\n"
+    assert (ws / "README").read_text() == "hi\n" and (ws / "link").read_text().startswith("def")
+    assert load_suite(tmp_path / "task")[0].id == "task"
+
+
 def test_garbage_tar(tmp_path: Path) -> None:
     tar = tmp_path / "repo.tar"
     tar.write_bytes(b"not a tar at all" * 100)
