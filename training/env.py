@@ -587,13 +587,16 @@ class EnvironmentServer:
 
         try:
             return await asyncio.wait_for(ref, timeout=work_s + self.config.call_timeout_s)
-        except TaskError:
-            raise
         except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
+            # Ray raises the actor's error as a class deriving from both RayTaskError and
+            # the original, whose message is the whole remote traceback; e.cause is the
+            # exception the actor raised, with its own one-line message.
+            cause = getattr(e, "cause", None) or e.as_instanceof_cause()
             if isinstance(cause, TaskError):
                 raise cause from None
             raise EnvError(f"environment call failed: {_one_line(cause)}") from None
+        except TaskError:
+            raise
         except (ray.exceptions.RayActorError, ray.exceptions.RayError) as e:
             raise EnvError(f"environment actor failed: {_one_line(e)}") from None
         except TimeoutError:
