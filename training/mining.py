@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opencomposer.tools.git import Git, GitError
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training.env import run_command
 from opencomposer.training.tasks import SKIP_NAMES, TaskError, pack_dir, write_task
@@ -925,16 +926,12 @@ def prepare_own(scratch: Path) -> None:
 
 def _own_files(root: Path) -> list[str]:
     """The checkout's files as git sees them: tracked plus untracked-but-not-ignored."""
+    git = Git.find(root)
     try:
-        listed = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "--cached", "--others", "--exclude-standard"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        listed = []
+        out = git.run("ls-files", "--cached", "--others", "--exclude-standard") if git else None
+    except GitError:
+        out = None
+    listed = out.stdout.decode().split() if out is not None and out.returncode == 0 else []
     keep = (*_PACKAGES, "tests")
     return sorted({f for f in listed if f.split("/")[0] in keep or f == "pyproject.toml"})
 
