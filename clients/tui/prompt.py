@@ -31,7 +31,8 @@ def workspace_files(root: Path) -> list[str]:
     """Workspace-relative file paths: `git ls-files` when it is a repository, else a walk."""
     try:
         out = subprocess.run(
-            ["git", "ls-files", "-co", "--exclude-standard"],
+            # the workspace's .git/config is untrusted: core.fsmonitor would run its program
+            ["git", "-c", "core.fsmonitor=false", "ls-files", "-co", "--exclude-standard"],
             cwd=root,
             capture_output=True,
             text=True,
