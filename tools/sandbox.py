@@ -9,7 +9,22 @@ What bounds what (measured on this kind of machine, root inside a VM):
   read-only (`read-only`) at its own path, `/tmp` is a fresh tmpfs capped at the
   memory limit, `/proc` and `/dev` are new. Nothing outside the workspace can be
   changed.
-- Network: `--unshare-all` gives the command its own empty network namespace.
+- Git: what git *runs* comes from a git directory's `config` and `hooks`, and
+  `commondir` or a `.git` file say where that directory is. Those are bound
+  read-only over the writable workspace (`git_guard`), the folders above them are
+  made mount points so they cannot be renamed and replaced. A mount cannot hold a
+  name that does not exist yet, nor a symlink: a control file that appears during a
+  run is deleted after it, and a symlinked one (a shared hooks folder) is put back
+  as it was. So a command cannot
+  plant a program that a later git on the host (the session's start, the user's
+  own `git commit`) would run. Its other files (objects, refs, the index) stay
+  writable: `git add` and `git commit` work.
+- Sockets: `--unshare-all` gives the command its own empty network namespace (so
+  no TCP, and no host abstract UNIX socket); a seccomp filter (`seccomp.py`)
+  refuses to create AF_UNIX sockets, so no host socket file (docker.sock, an
+  editor's IPC socket, an SSH agent) can be connected to. `socketpair` still works.
+- Environment: variables that look like secrets, by name or by value (a token's
+  shape, a URL with a password), are not passed in (`sandbox_env`).
 - Processes: RLIMIT_NPROC does *not* bound a root user (the kernel skips the check
   for the initial user, and a user namespace keeps that kernel uid). What does is a
   `pids` cgroup (v1 or v2) with `pids.max`; the first refused fork ends the run
@@ -41,10 +56,12 @@ import asyncio
 import contextlib
 import itertools
 import os
+import platform
 import re
 import resource
 import shutil
 import signal
+import stat
 import sys
 import time
 from collections.abc import Coroutine
@@ -54,11 +71,37 @@ from typing import Any
 
 from opencomposer.tools.output import OutputCapture
 from opencomposer.tools.protocols import SandboxConfig, ToolError
+from opencomposer.tools.seccomp import unix_socket_filter
 
 POLL_S = 0.02
 DRAIN_S = 1.0  # after the command ends, how long escaped holders of the pipe may delay us
 MAX_FILE_BYTES = 8 * 1024**3
-SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.I)
+# A variable is kept out of the sandbox when its name says it holds a secret, or its
+# value looks like one: a URL with a password, `password=…` in a DSN, or the shape of
+# a well-known token (kept here rather than shared with agent/redact.py: tools/
+# imports nothing of the agent's).
+SECRET_ENV = re.compile(
+    r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE|PRIVATE|(?:^|_)(?:PASS|PW|PAT|DSN)(?:$|_)",
+    re.I,
+)
+_URL_PASSWORD = re.compile(r"://[^/?#\s:@]*:[^/?#\s@]+@")  # scheme://user:password@
+_KEY_VALUE = re.compile(
+    r"(?i)(?:^|[\s;&?,])(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)=[^\s&;]"
+)
+_TOKEN_HINTS = (
+    "-----BEGIN", "sk-", "sk_", "rk_", "gh", "github_pat_", "glpat-", "xox", "AKIA", "ASIA",
+    "AIza", "hf_", "npm_", "pypi-", "eyJ",
+)  # fmt: skip
+_TOKEN = re.compile(
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----"
+    r"|\bsk-(?:proj-|ant-)?[A-Za-z0-9_\-]{16,}"
+    r"|\b[rs]k_(?:live|test)_[A-Za-z0-9]{10,}"
+    r"|\bgh[pousr]_[A-Za-z0-9]{20,}|\bgithub_pat_[A-Za-z0-9_]{20,}|\bglpat-[A-Za-z0-9_\-]{20,}"
+    r"|\bxox[abposr]-[A-Za-z0-9\-]{10,}"
+    r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bAIza[0-9A-Za-z_\-]{30,}"
+    r"|\bhf_[A-Za-z0-9]{30,}|\bnpm_[A-Za-z0-9]{36}|\bpypi-[A-Za-z0-9_\-]{50,}"
+    r"|\beyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}"  # JWT
+)
 CGROUP_PREFIX = "opencomposer-sbx-"
 
 
@@ -87,8 +130,12 @@ def _shell() -> str:
     return shutil.which("bash") or "/bin/sh"
 
 
-def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
-    """The full argv that runs `command` in `root` under `config`; SandboxError if it can't."""
+def sandbox_argv(
+    command: str, root: Path, config: SandboxConfig, guard: GitGuard | None = None
+) -> list[str]:
+    """The full argv that runs `command` in `root` under `config`; SandboxError if it can't.
+
+    `guard`: the workspace's `git_guard`, when the caller has it already."""
     shell = [_shell(), "-c", command]
     if config.mode == "off":
         return shell
@@ -102,7 +149,13 @@ def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
             "bubblewrap (bwrap) is not installed, so commands cannot be sandboxed; "
             "install the Debian package bubblewrap, or set the sandbox mode to off"
         )
+    if unix_socket_filter() is None:
+        raise SandboxError(
+            f"no seccomp filter for this CPU architecture ({platform.machine()}), so host "
+            "UNIX sockets cannot be kept out of the sandbox; set the sandbox mode to off"
+        )
     bind = "--bind" if config.mode == "workspace-write" else "--ro-bind"
+    git_binds = (guard or git_guard(root)).binds() if config.mode == "workspace-write" else []
     # No --new-session: the host-side setsid (start_new_session) already gives the tree
     # a session without a controlling terminal, and bwrap's namespace init must stay in
     # our process group so that one killpg reaches it (its death ends the namespace).
@@ -116,10 +169,167 @@ def sandbox_argv(command: str, root: Path, config: SandboxConfig) -> list[str]:
         "--size", str(config.memory_mb * 1024 * 1024), "--tmpfs", "/tmp",
         *_under_tmp_binds(root),
         bind, str(root), str(root),
+        *git_binds,
         "--chdir", str(root),
         "--",
     ]  # fmt: skip
     return argv + shell
+
+
+# -- git's control files --------------------------------------------------------
+
+# In a git directory, where git takes programs to run from (config, hooks) or where
+# it finds the directory that holds them (commondir; config.worktree when enabled).
+_GIT_CONTROL = ("config", "config.worktree", "commondir")
+
+
+@dataclass(frozen=True)
+class GitGuard:
+    """What keeps a sandboxed command from changing what git runs (module docstring).
+
+    A bind mount makes a file or folder read-only and unrenamable, but it cannot hold
+    a name that does not exist yet, nor a symlink (mounts follow it); those are put
+    back after the run instead (`restore`).
+    """
+
+    pins: tuple[str, ...]  # folders made mount points: cannot be renamed or replaced
+    read_only: tuple[str, ...]  # control files and hook folders that exist
+    absent: tuple[str, ...]  # control files that do not exist, and must not appear
+    links: tuple[tuple[str, str], ...]  # control entries that are symlinks: (path, target)
+
+    def binds(self) -> list[str]:
+        argv: list[str] = []
+        for p in self.pins:
+            argv += ["--bind", p, p]
+        for p in self.read_only:
+            argv += ["--ro-bind", p, p]
+        return argv
+
+    def restore(self) -> list[str]:
+        """Undo what the run did to the names mounts cannot hold; the paths put back."""
+        changed = []
+        for path in self.absent:
+            if os.path.lexists(path) and _remove(path):
+                changed.append(path)
+        for path, target in self.links:
+            with contextlib.suppress(OSError):
+                if os.readlink(path) == target:
+                    continue
+            if _remove(path):
+                with contextlib.suppress(OSError):
+                    os.symlink(target, path)
+                    changed.append(path)
+        return changed
+
+
+def _remove(path: str) -> bool:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def git_guard(root: Path) -> GitGuard:
+    """Find the git directories inside `root` (its `.git`, the one a `.git` file names,
+    submodules' and linked worktrees' folders) and what in them must stay as it is."""
+    top = os.path.realpath(root)
+
+    def inside(path: str) -> bool:
+        return path.startswith(top + os.sep)
+
+    gitdirs: list[str] = []  # real paths (no symlink in them)
+    guarded: list[str] = []  # existing entries, bound read-only unless symlinks
+    for dot_git in [os.path.join(top, ".git"), *_submodule_dot_gits(top)]:
+        try:
+            mode = os.lstat(dot_git).st_mode
+        except OSError:
+            continue
+        if stat.S_ISDIR(mode):
+            gitdirs.append(dot_git)
+        else:
+            guarded.append(dot_git)
+            target = _gitdir_named_by(dot_git)
+            if target is not None:
+                gitdirs.append(os.path.realpath(target))
+    absent: list[str] = []
+    seen: set[str] = set()
+    while gitdirs:
+        gitdir = gitdirs.pop()
+        if gitdir in seen or not inside(gitdir) or not os.path.isdir(gitdir):
+            continue
+        seen.add(gitdir)
+        for name in _GIT_CONTROL:
+            path = os.path.join(gitdir, name)
+            (guarded if os.path.lexists(path) else absent).append(path)
+        if os.path.join(gitdir, "commondir") in absent and os.path.exists(
+            os.path.join(gitdir, "HEAD")
+        ):
+            # a repository's own folder (a linked worktree's runs its common folder's hooks)
+            hooks = os.path.join(gitdir, "hooks")
+            with contextlib.suppress(OSError):
+                os.mkdir(hooks)  # as `git init` makes it: something to bind
+            guarded.append(hooks)
+        gitdirs += _nested_gitdirs(gitdir)
+    links = tuple((p, os.readlink(p)) for p in guarded if os.path.islink(p))
+    # The rest are real paths inside `top`: each gitdir is, and they are not symlinks.
+    read_only = [p for p in guarded if not os.path.islink(p) and os.path.exists(p)]
+    pins = set()
+    for path in [*guarded, *absent]:
+        folder = os.path.dirname(path)
+        while inside(folder) and folder not in pins:
+            pins.add(folder)
+            folder = os.path.dirname(folder)
+    return GitGuard(
+        pins=tuple(sorted(pins, key=lambda p: p.count(os.sep))),
+        read_only=tuple(read_only),
+        absent=tuple(absent),
+        links=links,
+    )
+
+
+def _gitdir_named_by(dot_git: str) -> str | None:
+    """The folder a `.git` file (`gitdir: PATH`) or a `.git` symlink points to."""
+    if os.path.islink(dot_git):
+        return os.path.realpath(dot_git)
+    try:
+        with open(dot_git, errors="replace") as f:
+            text = f.read(4096)
+    except OSError:
+        return None
+    m = re.match(r"gitdir:\s*(.+?)\s*$", text, re.M)
+    return os.path.join(os.path.dirname(dot_git), m.group(1)) if m else None
+
+
+def _submodule_dot_gits(top: str) -> list[str]:
+    """`PATH/.git` for each `path = PATH` in `.gitmodules`."""
+    try:
+        with open(os.path.join(top, ".gitmodules"), errors="replace") as f:
+            text = f.read(1_000_000)
+    except OSError:
+        return []
+    found = []
+    for m in re.finditer(r"^\s*path\s*=\s*(.+?)\s*$", text, re.M):
+        path = os.path.realpath(os.path.join(top, m.group(1).strip('"')))
+        if path.startswith(top + os.sep):
+            found.append(os.path.join(path, ".git"))
+    return found
+
+
+def _nested_gitdirs(gitdir: str) -> list[str]:
+    """Submodules' folders under `modules/` (names may hold slashes) and linked
+    worktrees' folders under `worktrees/`."""
+    found = []
+    with contextlib.suppress(OSError), os.scandir(os.path.join(gitdir, "worktrees")) as it:
+        found += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    for folder, dirs, files in os.walk(os.path.join(gitdir, "modules")):
+        if "HEAD" in files:
+            found.append(folder)
+            dirs.clear()  # its own modules/ are found from it
+    return found
 
 
 def _under_tmp_binds(root: Path) -> list[str]:
@@ -132,12 +342,24 @@ def _under_tmp_binds(root: Path) -> list[str]:
     return ["--ro-bind", str(prefix), str(prefix)]
 
 
+def _is_secret(name: str, value: str) -> bool:
+    if SECRET_ENV.search(name):
+        return True
+    # Substring tests first: scanning every value with the regexes would cost more
+    # than the sandbox's start-up budget, and nearly no value holds any of these.
+    if "://" in value and _URL_PASSWORD.search(value):
+        return True
+    if "=" in value and _KEY_VALUE.search(value):
+        return True
+    return any(h in value for h in _TOKEN_HINTS) and _TOKEN.search(value) is not None
+
+
 def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:
     """The caller's environment without secrets, set up for non-interactive use.
 
     Sandboxed, caches go to the private /tmp: the home folder is read-only there.
     """
-    env = {k: v for k, v in os.environ.items() if not SECRET_ENV.search(k)}
+    env = {k: v for k, v in os.environ.items() if not _is_secret(k, v)}
     if sys.prefix != sys.base_prefix:
         # Started from a virtual environment (the project's, or opencomposer's own):
         # its tools (python, pytest) come first, as in a shell where it is active.
@@ -458,6 +680,16 @@ async def _spawn(
     )
 
 
+def _seccomp_fd() -> int:
+    """A file holding the compiled filter, read by bwrap from its start."""
+    program = unix_socket_filter()
+    assert program is not None  # sandbox_argv refuses where there is none
+    fd = os.memfd_create("opencomposer-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
     cgroup = Cgroup.create(config)
     if config.mode == "off":
@@ -473,9 +705,16 @@ async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
 
     status_r, status_w = os.pipe()
     block_r, block_w = os.pipe()
-    gated = [argv[0], "--json-status-fd", str(status_w), "--block-fd", str(block_r), *argv[1:]]
+    seccomp = _seccomp_fd()
+    gated = [
+        argv[0],
+        "--json-status-fd", str(status_w),
+        "--block-fd", str(block_r),
+        "--seccomp", str(seccomp),
+        *argv[1:],
+    ]  # fmt: skip
     try:
-        proc = await _spawn(gated, root, config.mode, pass_fds=(status_w, block_r))
+        proc = await _spawn(gated, root, config.mode, pass_fds=(status_w, block_r, seccomp))
     except BaseException:
         os.close(status_r)
         os.close(block_w)
@@ -485,6 +724,7 @@ async def _start(argv: list[str], root: Path, config: SandboxConfig) -> _Run:
     finally:
         os.close(status_w)
         os.close(block_r)
+        os.close(seccomp)
     run = _Run(proc, cgroup, status_fd=status_r)
     try:
         init_pid, attached = await asyncio.to_thread(_open_gate, status_r, block_w, config, cgroup)
@@ -512,7 +752,8 @@ async def run_sandboxed(
         raise SandboxError(f"workspace {root} is not a directory")
     if root == Path(root.anchor) and config.mode == "workspace-write":
         raise SandboxError("the workspace is the file-system root; refusing to make it writable")
-    argv = sandbox_argv(command, root, config)
+    guard = git_guard(root) if config.mode == "workspace-write" and bwrap_path() else None
+    argv = sandbox_argv(command, root, config, guard)
     limit = config.timeout_s if timeout_s is None else timeout_s
     if limit <= 0:
         raise SandboxError(f"timeout must be positive, got {limit}")
@@ -535,7 +776,7 @@ async def run_sandboxed(
     except BaseException:
         run.kill()
         reader.cancel()
-        _background(_reap(run))
+        _background(_reap(run, guard))
         raise
     if reason is not None:
         run.kill()
@@ -549,9 +790,13 @@ async def run_sandboxed(
     if reason is None and run.cgroup is not None and run.cgroup.oom_kills():
         reason = "memory limit"
     await run.close()
+    output = capture.text()
+    if guard is not None and (changed := guard.restore()):
+        names = ", ".join(os.path.relpath(p, root) for p in changed)
+        output += f"\n[sandbox] put back {names}: git's control files are read-only here\n"
     return CommandResult(
         exit_code=code,
-        output=capture.text(),
+        output=output,
         timed_out=reason == "timeout",
         duration_s=time.monotonic() - start,
         killed_reason=reason,
@@ -577,7 +822,9 @@ def _kill_started(starting: asyncio.Future[_Run]) -> None:
     _background(_reap(run))
 
 
-async def _reap(run: _Run) -> None:
+async def _reap(run: _Run, guard: GitGuard | None = None) -> None:
     with contextlib.suppress(Exception):
         await run.proc.wait()
     await run.close()
+    if guard is not None:
+        guard.restore()

@@ -6,7 +6,9 @@ Each test names the escape it guards against. Run: pytest tests/tools/test_tools
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -232,3 +234,221 @@ async def test_bwrap_failing_at_start_is_reported_not_hung(
     )
     r = await run_sandboxed("true", root=root, config=cfg())
     assert r.exit_code != 0 and "no-such-option" in r.output
+
+
+# -- host UNIX sockets ---------------------------------------------------------
+
+_CONNECT = """
+import socket, sys
+for path in sys.argv[1:]:
+    try:
+        s = socket.socket(socket.AF_UNIX); s.settimeout(2); s.connect(path)
+        s.sendall(b"hello"); print("CONNECTED", path)
+    except OSError as e:
+        print("refused", e.errno)
+a, b = socket.socketpair(); a.sendall(b"pair"); print("socketpair", b.recv(4).decode())
+try:
+    d, _ = socket.socketpair(type=socket.SOCK_DGRAM); d.sendto(b"x", sys.argv[1]); print("SENT")
+except OSError as e:
+    print("dgram refused", e.errno)
+"""
+
+
+async def test_host_unix_sockets_are_unreachable(root: Path) -> None:
+    """The sandbox reached host UNIX sockets (`curl --unix-socket /var/tmp/…sock`; on a
+    developer's machine docker.sock). Sockets served by the host in a folder the
+    sandbox can see (/var/tmp, the workspace itself) must refuse; socketpair works."""
+    import socket
+    import tempfile
+
+    outside = Path(tempfile.mkdtemp(dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    servers, paths = [], [str(outside / "host.sock"), str(root / "ws.sock")]
+    try:
+        for path in paths:
+            srv = socket.socket(socket.AF_UNIX)
+            srv.bind(path)
+            srv.listen()
+            srv.setblocking(False)
+            servers.append(srv)
+        (root / "connect.py").write_text(_CONNECT)
+        r = await run_sandboxed(f"python3 connect.py {' '.join(paths)}", root=root, config=cfg())
+        assert "CONNECTED" not in r.output and r.output.splitlines().count("refused 1") == 2, (
+            r.output
+        )
+        assert "socketpair pair" in r.output and "SENT" not in r.output
+        for srv in servers:
+            with pytest.raises(BlockingIOError):
+                srv.accept()  # nobody ever connected
+    finally:
+        for srv in servers:
+            srv.close()
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        outside.rmdir()
+
+
+async def test_subprocesses_and_multiprocessing_still_work(root: Path) -> None:
+    """The socket filter must leave the plumbing of ordinary programs alone."""
+    code = (
+        "import asyncio, multiprocessing, subprocess\n"
+        "async def main():\n"
+        "    p = await asyncio.create_subprocess_exec('true'); return await p.wait()\n"
+        "if __name__ == '__main__':\n"
+        "    print(subprocess.run(['echo', 'sub'], capture_output=True, text=True).stdout)\n"
+        "    print('asyncio', asyncio.run(main()))\n"
+        "    with multiprocessing.get_context('spawn').Pool(2) as pool:\n"
+        "        print('pool', pool.map(abs, [-1, -2]))\n"
+    )
+    (root / "plumbing.py").write_text(code)
+    r = await run_sandboxed("python3 plumbing.py", root=root, config=cfg())
+    assert r.output == "sub\n\nasyncio 0\npool [1, 2]\n", r.output
+
+
+# -- git's control files -------------------------------------------------------
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+        cwd=cwd, env=env, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+
+
+@pytest.fixture
+def repo(root: Path) -> Path:
+    _git(root, "init", "-q")
+    _git(root, "add", "data.txt")
+    _git(root, "commit", "-qm", "first")
+    return root
+
+
+PLANTS = [
+    "printf '[core]\\n\\tfsmonitor = touch PWNED\\n' >> .git/config",
+    "git config core.hooksPath hooks2",
+    "printf '#!/bin/sh\\ntouch PWNED\\n' > .git/hooks/pre-commit",
+    "rm -rf .git/hooks",
+    "mv .git/config .git/c.old; cp .git/c.old .git/config; echo '[core] fsmonitor=x' >> .git/config",
+    "mv .git .git.old && cp -r .git.old .git && echo '[core] fsmonitor=x' >> .git/config",
+    "mkdir -p ../evil && echo ../evil > .git/commondir",
+    "echo '[core] fsmonitor=x' > .git/config.worktree",
+]
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+async def test_git_config_and_hooks_cannot_be_planted(repo: Path, plant: str) -> None:
+    """A sandboxed command wrote .git/config, and the next session's host-side
+    `git diff` ran the program it named. Config, hooks and the files that say where
+    they are stay as they were, whatever the command tries."""
+    config = (repo / ".git" / "config").read_bytes()
+    hooks = sorted(p.name for p in (repo / ".git" / "hooks").iterdir())
+    await run_sandboxed(plant, root=repo, config=cfg())
+    assert (repo / ".git").is_dir() and not (repo / ".git.old").exists()
+    assert (repo / ".git" / "config").read_bytes() == config
+    assert sorted(p.name for p in (repo / ".git" / "hooks").iterdir()) == hooks
+    assert not (repo / ".git" / "commondir").exists()
+    assert not (repo / ".git" / "config.worktree").exists()
+
+
+async def test_git_still_commits_in_the_sandbox(repo: Path) -> None:
+    r = await run_sandboxed(
+        "echo more >> data.txt && git -c user.email=t@t -c user.name=t commit -qam second"
+        " && git log --oneline | wc -l",
+        root=repo,
+        config=cfg(),
+    )
+    assert r.output.strip() == "2", r.output
+    assert _git(repo, "log", "-1", "--format=%s").strip() == "second"
+
+
+async def test_hooks_folder_is_guarded_even_when_missing(repo: Path) -> None:
+    """`rm -r .git/hooks` before the run must not leave a place to plant one."""
+    subprocess.run(["rm", "-rf", str(repo / ".git" / "hooks")], check=True)
+    await run_sandboxed(
+        "mkdir -p .git/hooks; echo x > .git/hooks/post-checkout", root=repo, config=cfg()
+    )
+    assert not (repo / ".git" / "hooks" / "post-checkout").exists()
+
+
+async def test_linked_worktree_dot_git_file_is_read_only(repo: Path, tmp_path: Path) -> None:
+    """In a linked worktree `.git` is a file naming the git directory; rewriting it
+    would point the host's git at a planted one."""
+    wt = tmp_path / "wt"
+    _git(repo, "worktree", "add", "-q", str(wt))
+    dot_git = (wt / ".git").read_text()
+    r = await run_sandboxed(
+        "mkdir -p evil && echo 'gitdir: evil' > .git; mv .git g; echo x >> ../ws/.git/config",
+        root=wt,
+        config=cfg(),
+    )
+    assert (wt / ".git").read_text() == dot_git and "Read-only" in r.output
+    assert "x" not in (repo / ".git" / "config").read_text().split()
+
+
+async def test_submodule_git_dirs_are_guarded(repo: Path) -> None:
+    """Submodules keep their config in .git/modules/NAME and a `.git` file in the
+    checkout; both are as dangerous as the top repository's."""
+    sub_git = repo / ".git" / "modules" / "lib" / "sub"
+    sub_git.mkdir(parents=True)
+    (sub_git / "HEAD").write_text("ref: refs/heads/main\n")
+    (sub_git / "config").write_text("[core]\n\tbare = false\n")
+    (repo / "vendor" / "lib").mkdir(parents=True)
+    (repo / "vendor" / "lib" / ".git").write_text("gitdir: ../../.git/modules/lib/sub\n")
+    (repo / ".gitmodules").write_text('[submodule "lib"]\n\tpath = vendor/lib\n\turl = x\n')
+    r = await run_sandboxed(
+        "echo '[core] fsmonitor=x' >> .git/modules/lib/sub/config;"
+        " echo 'gitdir: /tmp/x' > vendor/lib/.git; mv .git/modules .git/m;"
+        " echo x > .git/modules/lib/sub/hooks/pre-commit; mv vendor/lib vendor/l2",
+        root=repo,
+        config=cfg(),
+    )
+    assert r.output.count("Read-only file system") >= 2, r.output
+    assert (sub_git / "config").read_text() == "[core]\n\tbare = false\n"
+    assert (repo / "vendor" / "lib" / ".git").read_text().startswith("gitdir: ../../")
+    assert (repo / ".git" / "modules").is_dir() and not (sub_git / "hooks" / "pre-commit").exists()
+
+
+# -- secrets in the environment ------------------------------------------------
+
+
+async def test_secret_looking_values_do_not_reach_the_command(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DATABASE_URL`-style secrets passed into the sandbox: the name says nothing,
+    the value holds the password."""
+    secrets = {
+        "DATABASE_URL": "postgres://app:hunter2pw@db.internal:5432/app",
+        "SENTRY_DSN": "https://abc123@o1.ingest.sentry.io/42",
+        "MONGO_URI": "mongodb+srv://root:s3cr3tpw@cluster0.example.net/db",
+        "PG_CONN": "host=db user=app password=hunter3pw dbname=x",
+        "UPSTREAM": "ghp_" + "a1B2" * 9,
+        "PAYMENTS": "sk_live_" + "x9Y8" * 6,
+        "DEPLOY_PASS": "plain-words-here",
+        "CLOUD": "AKIA" + "ABCDEFGHIJKLMNOP",
+    }
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOMEPAGE_URL", "https://example.com:8080/a@b")
+    monkeypatch.setenv("GIT_REMOTE", "ssh://git@github.com/o/r.git")
+    r = await run_sandboxed("env", root=root, config=cfg())
+    for k, v in secrets.items():
+        assert v not in r.output and f"{k}=" not in r.output, k
+    assert "HOMEPAGE_URL=https://example.com:8080/a@b" in r.output
+    assert "GIT_REMOTE=ssh://git@github.com/o/r.git" in r.output
+
+
+async def test_symlinked_hooks_folder_is_put_back(repo: Path, tmp_path: Path) -> None:
+    """A shared hooks folder linked in as `.git/hooks` cannot be bound read-only (a
+    mount follows the link), so replacing the link is undone after the run."""
+    shared = repo / "githooks"
+    shared.mkdir()
+    subprocess.run(["rm", "-rf", str(repo / ".git" / "hooks")], check=True)
+    (repo / ".git" / "hooks").symlink_to("../githooks")
+    r = await run_sandboxed(
+        "rm .git/hooks && mkdir .git/hooks && echo x > .git/hooks/pre-commit",
+        root=repo,
+        config=cfg(),
+    )
+    assert os.readlink(repo / ".git" / "hooks") == "../githooks"
+    assert not (shared / "pre-commit").exists() and "put back .git/hooks" in r.output
