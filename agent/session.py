@@ -334,7 +334,7 @@ class Session:
         if spec.name == "run_terminal":
             from opencomposer.tools.terminal import is_safe_command
 
-            return not is_safe_command(args.get("command", ""))
+            return not is_safe_command(args.get("command", ""), self.workspace.root)
         return True
 
     async def _gate(self, spec: specs.ToolSpec, args: dict[str, Any]) -> str | None:
