@@ -19,6 +19,13 @@ How it departs from XML, on purpose:
 
 Malformed calls never raise: each becomes a `ParsedCall` with `error` set, which the
 executor turns into an error result for that call while the others still run.
+
+Parsing is linear in the message, however it is chunked: the parser never looks at
+consumed text again (the code-fence parity is counted forward, once), and a
+construct that cannot be decided yet (a long attribute, a long child) names what it
+waits for, which is looked for in the new chunks alone. Ten thousand calls in one
+message, or a 200,000-character attribute streamed in small chunks, parse in tens of
+milliseconds.
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _NAME = re.compile(r"[A-Za-z_][\w\-]*")
-_ATTR = re.compile(r"([A-Za-z_][\w\-]*)\s*=\s*(?:\"([^\"]*)\"|'([^']*)')", re.S)
+_SPACE = re.compile(r"\s*")
 _CALLISH = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
-_FENCE = re.compile(r"^[ \t]*```", re.M)
+_MAX_NAME = 128  # a longer element or attribute name is prose, never a call
 
 
 @dataclass
@@ -45,10 +52,78 @@ class ParsedCall:
 
 
 _SKIP = ParsedCall(index=-1, name="")
+_NONSPACE = ""  # _NeedMore(_NONSPACE): white space alone cannot decide it
 
 
 class _NeedMore(Exception):
-    """The buffer ends before the construct at hand can be decided."""
+    """The buffer ends before the construct at hand can be decided. `until` is what
+    must arrive before another look can decide it: a string that must appear in the
+    new text, `_NONSPACE`, or None for any text at all."""
+
+    def __init__(self, until: str | None = None) -> None:
+        self.until = until
+
+
+class _Wait:
+    """Holds the parser back until what it waits for has arrived, looking only at new
+    text (plus the few characters a token may straddle)."""
+
+    def __init__(self, until: str, tail: str) -> None:
+        self.until = until
+        self.carry = tail[-(len(until) - 1) :] if len(until) > 1 else ""
+
+    def arrived(self, chunk: str) -> bool:
+        if self.until == _NONSPACE:
+            return not chunk.isspace()
+        text = self.carry + chunk
+        if self.until in text:
+            return True
+        keep = len(self.until) - 1
+        self.carry = text[-keep:] if keep else ""
+        return False
+
+
+class _Fences:
+    """Whether a position lies inside a ``` code fence: the parity of the fence lines
+    (`^[ \\t]*```) before it, advanced as the parser moves on, so that each question
+    costs only the text since the last one."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._state = 0  # 0: in the line's indent; 1, 2: backticks seen; -1: line decided
+
+    def advance(self, buf: str, i: int, end: int) -> None:
+        state = self._state
+        while i < end:
+            if state < 0:
+                nl = buf.find("\n", i, end)
+                if nl < 0:
+                    break
+                i, state = nl + 1, 0
+                continue
+            c = buf[i]
+            i += 1
+            if c == "`":
+                state += 1
+                if state == 3:
+                    self.inside = not self.inside
+                    state = -1
+            elif c == "\n":
+                state = 0
+            elif state != 0 or c not in " \t":
+                state = -1
+        self._state = state
+
+
+@dataclass
+class _Tag:
+    """An opening tag being read: what is known of it so far."""
+
+    name: str
+    start: int  # offset of its `<` in the message
+    known: bool
+    fenced: bool
+    raw: dict[str, str] = field(default_factory=dict)
 
 
 class StreamParser:
@@ -57,22 +132,42 @@ class StreamParser:
     `children` maps each known tool to the names of its parameters that may be
     written as child elements; `bare` maps a tool to the parameter that bare content
     fills (tools with a single child parameter).
+
+    `buf` holds only the text not yet consumed, from message offset `base` on (call
+    offsets are message offsets); what an unfinished construct waits for (a closing
+    quote, `</old>`, ...) is looked for in each new chunk alone, and the chunks are
+    joined only once it has arrived.
     """
 
     def __init__(self, children: Mapping[str, frozenset[str]], bare: Mapping[str, str]):
         self.children = children
         self.bare = bare
         self.buf = ""
+        self.base = 0
         self.pos = 0
         self.calls: list[ParsedCall] = []
+        self._consumed: list[str] = []  # the message before `base`
+        self._pending: list[str] = []  # chunks that arrived while waiting
+        self._wait: _Wait | None = None
+        self._fences = _Fences()
+        self._fenced_to = 0  # message offset up to which `_fences` has looked
+        self._tag: _Tag | None = None  # an opening tag being read
         self._open: ParsedCall | None = None  # a call whose body is being read
+        self._open_fenced = False
 
     @property
     def text(self) -> str:
-        return self.buf
+        """The whole message so far."""
+        head = "".join(self._consumed)
+        self._consumed = [head]
+        return head + self.buf + "".join(self._pending)
 
     def feed(self, chunk: str) -> list[ParsedCall]:
-        self.buf += chunk
+        if not chunk:
+            return []
+        self._pending.append(chunk)
+        if self._wait is not None and not self._wait.arrived(chunk):
+            return []
         return self._scan(final=False)
 
     def close(self) -> list[ParsedCall]:
@@ -81,7 +176,7 @@ class StreamParser:
         if self._open is not None:
             call = self._open
             call.error = f"unclosed element <{call.name}>: the message ended before </{call.name}>"
-            call.end = len(self.buf)
+            call.end = self.base + len(self.buf)
             self._open = None
             self.pos = len(self.buf)
             done.append(call)
@@ -90,12 +185,18 @@ class StreamParser:
     # -- scanning ----------------------------------------------------------------
 
     def _scan(self, *, final: bool) -> list[ParsedCall]:
+        if self._pending:
+            self.buf += "".join(self._pending)
+            self._pending.clear()
+        self._wait = None
         done: list[ParsedCall] = []
         while True:
             try:
                 call = self._step(final)
-            except _NeedMore:
+            except _NeedMore as more:
                 if not final:
+                    if more.until is not None:
+                        self._wait = _Wait(more.until, self.buf)
                     break
                 # The message ended inside an opening tag or a stray fragment.
                 if self._open is None:
@@ -104,11 +205,34 @@ class StreamParser:
             if call is None:
                 break
             done.append(call)
+        self._drop_consumed()
         return done
+
+    def _drop_consumed(self) -> None:
+        """Move the text before `pos` out of the working buffer (kept for `text`)."""
+        if self.pos == 0:
+            return
+        self._in_fence(self.pos)  # the fence count must pass it first
+        self._consumed.append(self.buf[: self.pos])
+        self.buf = self.buf[self.pos :]
+        self.base += self.pos
+        self.pos = 0
+
+    def _in_fence(self, i: int) -> bool:
+        """Whether buffer position i (never behind an earlier question) is in a fence."""
+        at = self.base + i
+        if at > self._fenced_to:
+            self._fences.advance(self.buf, self._fenced_to - self.base, i)
+            self._fenced_to = at
+        return self._fences.inside
 
     def _step(self, final: bool) -> ParsedCall | None:
         if self._open is not None:
             return self._read_body(self._open)
+        if self._tag is not None:
+            call = self._read_tag(self._tag)
+            if call is not _SKIP:
+                return call
         return self._read_text(final)
 
     def _read_text(self, final: bool) -> ParsedCall | None:
@@ -118,6 +242,7 @@ class StreamParser:
             if lt < 0:
                 self.pos = len(buf)
                 return None
+            self.pos = lt  # the prose before it is consumed
             m = _NAME.match(buf, lt + 1)
             closing = False
             if m is None and buf.startswith("</", lt):
@@ -128,6 +253,9 @@ class StreamParser:
                     raise _NeedMore
                 self.pos = lt + 1
                 continue
+            if m.end() - m.start() > _MAX_NAME:
+                self.pos = m.end()
+                continue
             if m.end() == len(buf):
                 raise _NeedMore  # the name may go on
             name = m.group(0)
@@ -137,8 +265,8 @@ class StreamParser:
                     self.pos = m.end() + 1
                     return self._new_call(
                         name,
-                        lt,
-                        self.pos,
+                        self.base + lt,
+                        self.base + self.pos,
                         error=f"stray closing tag </{name}> with no open <{name}>",
                     )
                 self.pos = m.end()
@@ -147,92 +275,117 @@ class StreamParser:
                 self.pos = m.end()
                 continue
             known = name in self.children
-            if not known and (not _CALLISH.match(name) or _in_fence(buf, lt)):
+            if not known and not _CALLISH.match(name):
                 self.pos = m.end()
                 continue
-            call = self._read_open_tag(name, lt, m.end(), known)
+            fenced = self._in_fence(lt)
+            if not known and fenced:
+                self.pos = m.end()
+                continue
+            self._tag = _Tag(name=name, start=self.base + lt, known=known, fenced=fenced)
+            self.pos = m.end()
+            call = self._read_tag(self._tag)
             if call is not _SKIP:
                 return call
 
-    def _read_open_tag(self, name: str, lt: int, i: int, known: bool) -> ParsedCall:
-        """Read `<name attr="v" …` to its `/>` or `>`; unknown names that carry no
-        attributes are prose (`<file_path>`), and come back as _SKIP."""
+    def _read_tag(self, tag: _Tag) -> ParsedCall:
+        """Read the opening tag on from `pos` to its `/>` or `>`; unknown names that
+        carry no attributes are prose (`<file_path>`), and come back as _SKIP."""
         buf = self.buf
-        raw: dict[str, str] = {}
         while True:
-            while i < len(buf) and buf[i].isspace():
-                i += 1
+            i = self.pos = _SPACE.match(buf, self.pos).end()
             if i >= len(buf):
                 raise _NeedMore
             if buf.startswith("/>", i):
-                self.pos = i + 2
-                return self._finish(self._new_call(name, lt, i + 2, raw=raw))
+                self.pos, self._tag = i + 2, None
+                call = self._new_call(tag.name, tag.start, self.base + i + 2, raw=tag.raw)
+                return self._finish(call, tag.fenced)
             if buf[i] == "/" and i + 1 == len(buf):
                 raise _NeedMore
             if buf[i] == ">":
-                if not known and not raw:
-                    self.pos = i + 1
+                self.pos, self._tag = i + 1, None
+                if not tag.known and not tag.raw:
                     return _SKIP
-                call = self._new_call(name, lt, i + 1, raw=raw)
-                self.pos = i + 1
-                self._open = call
+                call = self._new_call(tag.name, tag.start, self.base + i + 1, raw=tag.raw)
+                self._open, self._open_fenced = call, tag.fenced
                 return self._read_body(call)
-            m = _ATTR.match(buf, i)
-            if m is None:
-                if _partial_attr(buf, i):
-                    raise _NeedMore
-                if not known and not raw:
-                    self.pos = i  # `<some_word text` in prose: not a call
+            attr = self._attribute(i)
+            if attr is None:
+                if not tag.known and not tag.raw:
+                    self._tag = None  # `<some_word text` in prose: not a call
                     return _SKIP
                 end = buf.find(">", i)
                 if end < 0:
-                    raise _NeedMore
-                self.pos = end + 1
+                    raise _NeedMore(">")
+                self.pos, self._tag = end + 1, None
                 bad = buf[i : min(end, i + 40)]
                 return self._new_call(
-                    name,
-                    lt,
-                    end + 1,
-                    raw=raw,
-                    error=f"malformed attribute in <{name}> near {bad!r}",
+                    tag.name,
+                    tag.start,
+                    self.base + end + 1,
+                    raw=tag.raw,
+                    error=f"malformed attribute in <{tag.name}> near {bad!r}",
                 )
-            value = m.group(2) if m.group(2) is not None else m.group(3)
-            raw[m.group(1)] = html.unescape(value)
-            i = m.end()
+            name, value, self.pos = attr
+            tag.raw[name] = value
+
+    def _attribute(self, i: int) -> tuple[str, str, int] | None:
+        """`name="value"` (or single quotes) at i as (name, unescaped value, end);
+        None if what stands there cannot become one."""
+        buf = self.buf
+        m = _NAME.match(buf, i)
+        if m is None or m.end() - i > _MAX_NAME:
+            return None
+        j = m.end()
+        if j == len(buf):
+            raise _NeedMore  # the name may go on
+        j = _SPACE.match(buf, j).end()
+        if j == len(buf):
+            raise _NeedMore(_NONSPACE)
+        if buf[j] != "=":
+            return None
+        j = _SPACE.match(buf, j + 1).end()
+        if j == len(buf):
+            raise _NeedMore(_NONSPACE)
+        quote = buf[j]
+        if quote not in "\"'":
+            return None
+        end = buf.find(quote, j + 1)
+        if end < 0:
+            raise _NeedMore(quote)
+        return m.group(0), html.unescape(buf[j + 1 : end]), end + 1
 
     def _read_body(self, call: ParsedCall) -> ParsedCall:
         buf = self.buf
         close_tag = f"</{call.name}>"
         allowed = self.children.get(call.name)
         while True:
-            i = self.pos
-            while i < len(buf) and buf[i].isspace():
-                i += 1
+            i = _SPACE.match(buf, self.pos).end()
             if i >= len(buf):
-                raise _NeedMore
+                raise _NeedMore(_NONSPACE)
             if buf.startswith(close_tag, i):
                 self.pos = i + len(close_tag)
                 self._open = None
-                call.end = self.pos
-                return self._finish(call)
-            if close_tag.startswith(buf[i:]):
+                call.end = self.base + self.pos
+                return self._finish(call, self._open_fenced)
+            if len(buf) - i < len(close_tag) and close_tag.startswith(buf[i:]):
                 raise _NeedMore
             child = self._child_at(i, allowed)
             if child is None:
                 # Bare content up to the call's closing tag.
                 end = buf.find(close_tag, i)
                 if end < 0:
-                    raise _NeedMore
+                    raise _NeedMore(close_tag)
                 body = _trim(buf[self.pos : end])
                 self.pos = end + len(close_tag)
                 self._open = None
-                call.end = self.pos
+                call.end = self.base + self.pos
                 slot = self.bare.get(call.name)
                 if slot is not None and slot not in call.raw:
                     call.raw[slot] = body
                 elif call.error is None:
                     call.error = f"unexpected text inside <{call.name}>: {body[:60]!r}"
-                return self._finish(call)
+                return self._finish(call, self._open_fenced)
             cname, content_start, self_closing = child
             if self_closing:
                 call.raw.setdefault(cname, "")
@@ -241,7 +394,7 @@ class StreamParser:
             cclose = f"</{cname}>"
             end = buf.find(cclose, content_start)
             if end < 0:
-                raise _NeedMore
+                raise _NeedMore(cclose)
             if cname in call.raw and call.error is None:
                 call.error = f"parameter {cname} given twice in <{call.name}>"
             call.raw[cname] = _trim(buf[content_start:end])
@@ -256,6 +409,8 @@ class StreamParser:
         if m is None:
             if i + 1 >= len(buf):
                 raise _NeedMore
+            return None
+        if m.end() - m.start() > _MAX_NAME:
             return None
         if m.end() >= len(buf):
             raise _NeedMore
@@ -282,14 +437,20 @@ class StreamParser:
         raw: dict[str, str] | None = None,
         error: str | None = None,
     ) -> ParsedCall:
+        """A call spanning message offsets start..end."""
         call = ParsedCall(
-            index=len(self.calls), name=name, raw=raw or {}, error=error, start=start, end=end
+            index=len(self.calls),
+            name=name,
+            raw=raw or {},
+            error=error,
+            start=start,
+            end=end,
         )
         self.calls.append(call)
         return call
 
-    def _finish(self, call: ParsedCall) -> ParsedCall:
-        if call.error is None and _in_fence(self.buf, call.start):
+    def _finish(self, call: ParsedCall, fenced: bool) -> ParsedCall:
+        if call.error is None and fenced:
             call.error = (
                 f"<{call.name}> inside a ``` code fence was not run; "
                 "write tool calls as plain XML outside code fences"
@@ -297,19 +458,25 @@ class StreamParser:
         return call
 
     def _report_truncated_tag(self, done: list[ParsedCall]) -> None:
-        lt = self.buf.find("<", self.pos)
-        m = _NAME.match(self.buf, lt + 1) if lt >= 0 else None
-        if m and (m.group(0) in self.children or _CALLISH.match(m.group(0))):
-            name = m.group(0)
-            done.append(
-                self._new_call(
-                    name,
-                    lt,
-                    len(self.buf),
-                    error=f"unclosed element <{name}>: the message ended inside its tag",
-                )
-            )
+        tag, self._tag = self._tag, None
+        if tag is not None:
+            name, start = tag.name, tag.start
+        else:
+            lt = self.buf.find("<", self.pos)
+            m = _NAME.match(self.buf, lt + 1) if lt >= 0 else None
+            if not (m and (m.group(0) in self.children or _CALLISH.match(m.group(0)))):
+                self.pos = len(self.buf)
+                return
+            name, start = m.group(0), self.base + lt
         self.pos = len(self.buf)
+        done.append(
+            self._new_call(
+                name,
+                start,
+                self.base + self.pos,
+                error=f"unclosed element <{name}>: the message ended inside its tag",
+            )
+        )
 
 
 def _trim(text: str) -> str:
@@ -322,18 +489,6 @@ def _trim(text: str) -> str:
     elif text.endswith("\n"):
         text = text[:-1]
     return text
-
-
-def _partial_attr(buf: str, i: int) -> bool:
-    """True when buf[i:] could still grow into `name="value"`."""
-    rest = buf[i:]
-    return (
-        re.fullmatch(r"[A-Za-z_][\w\-]*(\s*(=\s*((\"[^\"]*)|('[^']*))?)?)?", rest, re.S) is not None
-    )
-
-
-def _in_fence(buf: str, pos: int) -> bool:
-    return len(_FENCE.findall(buf, 0, pos)) % 2 == 1
 
 
 def parse_all(

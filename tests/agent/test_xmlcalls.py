@@ -118,3 +118,77 @@ def test_huge_message_is_linear_enough():
         f'<write_file path="big.txt"><content>{body}</content></write_file>', 4096
     )
     assert call.raw["content"] == body
+
+
+def _best_time(fn, repeat=5):
+    import time
+
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _one_against_ten(make_text, n, chunk):
+    """time(one message of size n) / time(ten messages of size n/10), same chunking:
+    about 1 when parsing is linear, about 10 when it is quadratic in the message."""
+    whole, part = make_text(n), make_text(n // 10)
+    one = _best_time(lambda: parse_chunked(whole, chunk))
+    ten = _best_time(lambda: [parse_chunked(part, chunk) for _ in range(10)])
+    return one / ten
+
+
+@pytest.mark.parametrize("chunk", [16, 10**9])
+def test_ten_thousand_calls_parse_in_linear_time(chunk):
+    """Guards the quadratic scan (fence parity recounted from the message start for
+    every call, the whole buffer copied per chunk) that held 10,000 calls in one reply
+    for ~100 s before the first one started."""
+
+    def calls(n):
+        return "".join(f'<read_file path="f{i}.py"/>\n' for i in range(n))
+
+    parsed = parse_chunked(calls(10_000), chunk)
+    assert [c.raw["path"] for c in parsed] == [f"f{i}.py" for i in range(10_000)]
+    assert all(c.error is None for c in parsed)
+    assert _one_against_ten(calls, 10_000, chunk) < 3
+
+
+@pytest.mark.parametrize("where", ["attribute", "child"])
+def test_a_200k_character_parameter_streams_in_linear_time(where):
+    """Guards the rescan of an unfinished attribute (or child) from its start on every
+    new chunk, which took ~98 s for a 200,000-character attribute."""
+
+    def message(n):
+        if where == "attribute":
+            return f'<grep pattern="{"a" * n}"/>'
+        return f'<write_file path="x"><content>{"a" * n}</content></write_file>'
+
+    (call,) = parse_chunked(message(200_000), 16)
+    assert len(call.raw["pattern" if where == "attribute" else "content"]) == 200_000
+    assert _one_against_ten(message, 200_000, 16) < 3
+
+
+def test_offsets_and_text_survive_the_dropped_prefix():
+    """Call offsets are message offsets, and `text` is the whole message, although the
+    parser keeps only the unconsumed tail."""
+    text = "x" * 5000 + '<grep pattern="p"/>' + "y" * 5000 + '<glob pattern="*.py"/>tail'
+    p = StreamParser(_CHILDREN, _BARE)
+    calls = []
+    for i in range(0, len(text), 7):
+        calls += p.feed(text[i : i + 7])
+    calls += p.close()
+    assert [text[c.start : c.end] for c in calls] == [
+        '<grep pattern="p"/>',
+        '<glob pattern="*.py"/>',
+    ]
+    assert p.text == text
+
+
+def test_a_fence_opened_long_before_still_counts():
+    """The fence parity is counted forward once; a call far after an opening fence is
+    still reported, not run, and one after the closing fence runs."""
+    text = "```\n" + "code line\n" * 20_000 + '<read_file path="a"/>\n```\n<read_file path="b"/>'
+    first, second = parse_chunked(text, 64)
+    assert "code fence" in first.error and second.error is None
