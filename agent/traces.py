@@ -25,6 +25,7 @@ import math
 import os
 import socket
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ SCHEMA_VERSION = 2
 INTERRUPTED = "interrupted"  # the status of a session whose process died mid-run
 UNTRACKED_MAX_FILES = 200
 UNTRACKED_MAX_BYTES = 1_000_000
+GIT_TIMEOUT_S = 10.0  # each git command at session start
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -79,7 +81,7 @@ def git_state(root: Path) -> tuple[str | None, str]:
     The workspace is untrusted: git runs through `tools.git`, so nothing the
     repository configures (fsmonitor, hooks, filters, external diff, …) runs.
     """
-    git = Git.find(root)
+    git = Git.find(root, timeout=GIT_TIMEOUT_S)
     if git is None:
         return None, ""
     try:
@@ -101,11 +103,14 @@ def git_state(root: Path) -> tuple[str | None, str]:
 
 
 def _small_file(path: Path) -> bool:
+    """A regular file (or a link, shown as its target's name) that git can read at
+    once: a FIFO would block the read, a device never end."""
     try:
         st = path.lstat()
     except OSError:
         return False
-    return st.st_size <= UNTRACKED_MAX_BYTES
+    kind_ok = stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)
+    return kind_ok and st.st_size <= UNTRACKED_MAX_BYTES
 
 
 # -- which process owns a running session ------------------------------------------

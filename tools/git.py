@@ -43,11 +43,13 @@ goes through `Git.run`, which closes this in three layers:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -208,22 +210,29 @@ def _exec(
     timeout: float,
     writable: Path | None,
 ) -> subprocess.CompletedProcess[bytes]:
+    """Run in its own process group, killed whole past `timeout` (a config that
+    includes a FIFO, a huge repository): GitError, never a hang."""
+    argv = confined(argv, cwd=cwd, writable=writable)
     try:
-        return subprocess.run(
-            confined(argv, cwd=cwd, writable=writable),
+        proc = subprocess.Popen(
+            argv,
             cwd=cwd,
             env=env,
-            input=input,
-            stdin=subprocess.DEVNULL if input is None else None,
-            capture_output=True,
-            timeout=timeout,
+            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        raise GitError(
-            f"git {argv[1] if len(argv) > 1 else ''} took over {timeout:.0f} s"
-        ) from None
     except OSError as e:
         raise GitError(f"cannot run git: {e}") from None
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise GitError(f"git took over {timeout:.0f} s in {cwd}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _git() -> str:
@@ -244,18 +253,19 @@ def _guard(args: Sequence[str]) -> list[str]:
 class Git:
     """One repository's git, run with the repository's programs disabled."""
 
-    def __init__(self, worktree: Path, git_dir: Path):
+    def __init__(self, worktree: Path, git_dir: Path, *, timeout: float = DEFAULT_TIMEOUT_S):
         self.worktree = worktree
         self.git_dir = git_dir
+        self.timeout = timeout  # each command's limit (a config can include a FIFO)
         self._env: dict[str, str] | None = None
 
     @classmethod
-    def find(cls, path: Path) -> Git | None:
+    def find(cls, path: Path, *, timeout: float = DEFAULT_TIMEOUT_S) -> Git | None:
         """The repository `path` is in (the nearest folder up holding `.git`), or None."""
         start = _resolved(Path(path))
         for folder in (start, *start.parents):
             if os.path.lexists(folder / ".git"):
-                return cls(folder, folder / ".git")
+                return cls(folder, folder / ".git", timeout=timeout)
         return None
 
     def _prefix(self) -> list[str]:
@@ -270,7 +280,7 @@ class Git:
                 cwd=self.worktree,
                 env=base,
                 input=None,
-                timeout=DEFAULT_TIMEOUT_S,
+                timeout=self.timeout,
                 writable=None,
             )
             if listing.returncode != 0:
@@ -286,12 +296,13 @@ class Git:
         *args: str,
         cwd: Path | None = None,
         input: bytes | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> subprocess.CompletedProcess[bytes]:
         """`git ARGS` in this repository (cwd: the worktree, or a folder inside it)."""
         where = cwd or self.worktree
         argv = [*self._prefix(), *_guard(args)]
-        return _exec(argv, cwd=where, env=self.env(), input=input, timeout=timeout, writable=None)
+        limit = self.timeout if timeout is None else timeout
+        return _exec(argv, cwd=where, env=self.env(), input=input, timeout=limit, writable=None)
 
     def run_each(
         self, args: Sequence[str], paths: Sequence[str], *, cwd: Path | None = None
@@ -305,7 +316,7 @@ class Git:
             cwd=cwd or self.worktree,
             env=self.env(),
             input=None,
-            timeout=DEFAULT_TIMEOUT_S * 2,
+            timeout=self.timeout * 2,
             writable=None,
         )
         return out.stdout

@@ -10,14 +10,16 @@ other tests can fail.
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 from opencomposer.tools import git as safe_git
-from opencomposer.tools.git import Git, run_git, untrusted_overrides
+from opencomposer.tools.git import Git, GitError, run_git, untrusted_overrides
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -225,3 +227,20 @@ def test_trust_follows_scope_and_place() -> None:
     assert blanks["remote.origin.uploadpack"] == ""
     assert "user.name" not in blanks
     assert "diff.external" not in blanks  # switched off by --no-ext-diff instead
+
+
+def test_a_fifo_in_the_config_ends_in_an_error_not_a_hang(tmp_path: Path) -> None:
+    """`include.path` naming a FIFO blocks git's config read; the command is killed."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _git(ws, "init", "-q")
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    with (ws / ".git" / "config").open("a") as f:
+        f.write(f"[include]\n\tpath = {fifo}\n")
+    git = Git.find(ws, timeout=1)
+    assert git is not None
+    t0 = time.monotonic()
+    with pytest.raises(GitError, match="took over"):
+        git.run("rev-parse", "HEAD")
+    assert time.monotonic() - t0 < 10
