@@ -1,16 +1,20 @@
 """The internal benchmark: every task of a suite through the environment server.
 
-`opencomposer bench --tasks DIR|own|starter --model SPEC [--concurrency N] [--out DIR]`
+`opencomposer bench --tasks DIR|own|starter --model SPEC [--max-turns N] [--concurrency N] [--out DIR]`
 calls `run_bench`, which runs each task once as an episode (the production
 `Session`, tools in fresh sandboxed workspaces, verify at the end) and writes:
 
-- `report.json` — `{resolve_rate, mean_reward, wall_s: {p50, p90}, tokens, tool_calls,
+- `report.json` — `{resolve_rate, resolve_rate_se (binomial standard error), mean_reward,
+  wall_s: {p50, p90}, turns, tokens, tool_calls,
   parallel_calls_per_turn, reads_before_first_edit, searches_before_first_edit,
   edit_failures, statuses, errors: {task id: one line}, tasks: [{id, resolved,
   reward, status, error, …}], …}` — a task that cannot run (a repo.tar entry that
   escapes, a failing setup) is one row with its status and a one-line error
 - `report.md` — the same as a Markdown summary and per-task table
 - `wall_time.png`, `per_task.png` — plots (matplotlib, Agg backend)
+- `traces.db` — every episode recorded like a user's session (`meta` adds the task,
+  reward and status); a row's `session_id` names its trace:
+  `OPENCOMPOSER_HOME=OUT opencomposer traces show SESSION_ID`
 
     from opencomposer.training.bench import run_bench
     report = run_bench("starter", model="scripted:turns.json", concurrency=4, out=Path("bench-out"))
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
 from collections import Counter
@@ -27,9 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opencomposer.agent.traces import TraceStore
 from opencomposer.training.env import EnvConfig, EnvironmentServer, EpisodeResult
 from opencomposer.training.tasks import Task, TaskError, load_suite
 
+TRACES = "traces.db"  # every episode's trace: OPENCOMPOSER_HOME=OUT opencomposer traces show ID
 MEAN_KEYS = (
     "turns",
     "tokens",
@@ -50,15 +57,26 @@ def run_bench(
     env_config: EnvConfig | None = None,
     session_config: Any = None,
     limit: int | None = None,
+    max_turns: int | None = None,
     on_result: Callable[[EpisodeResult], None] | None = None,
 ) -> dict[str, Any]:
     """Run the suite, write the report files into `out`, return the report dict.
+    `max_turns` is each episode's turn budget (the session's default otherwise).
 
     Raises TaskError (one line) for a bad suite or concurrency; the model spec is
     checked by the backend (ValueError, one line).
     """
     if concurrency < 1:
         raise TaskError(f"concurrency must be at least 1, got {concurrency}")
+    if max_turns is not None:
+        if max_turns < 1:
+            raise TaskError(f"max_turns must be at least 1, got {max_turns}")
+        from dataclasses import replace
+
+        from opencomposer.agent.session import SessionConfig
+
+        base = session_config or SessionConfig(approve="all", emit_deltas=False)
+        session_config = replace(base, max_turns=max_turns)
     tasks = load_suite(tasks_dir_or_suite)
     if limit is not None:
         tasks = tasks[:limit]
@@ -66,10 +84,17 @@ def run_bench(
     out.mkdir(parents=True, exist_ok=True)
     cfg = env_config or EnvConfig(num_actors=min(concurrency, 4), pool_size=0)
     t0 = time.time()
-    results = asyncio.run(_run(tasks, model, concurrency, cfg, session_config, on_result))
+    traces = TraceStore(out / TRACES)
+    try:
+        results = asyncio.run(
+            _run(tasks, model, concurrency, cfg, session_config, on_result, traces)
+        )
+    finally:
+        traces.close()
     report = make_report(
         results, tasks, suite=str(tasks_dir_or_suite), model=model, concurrency=concurrency
     )
+    report["max_turns"] = session_config.max_turns if session_config is not None else None
     report["started"] = t0
     report["duration_s"] = round(time.time() - t0, 2)
     write_report(report, out)
@@ -83,6 +108,7 @@ async def _run(
     cfg: EnvConfig,
     session_config: Any,
     on_result: Callable[[EpisodeResult], None] | None,
+    traces: TraceStore,
 ) -> list[EpisodeResult]:
     server = EnvironmentServer(cfg)
     gate = asyncio.Semaphore(concurrency)
@@ -95,7 +121,10 @@ async def _run(
         async def one(task: Task) -> EpisodeResult:
             async with gate:
                 r = await server.run_episode(
-                    task, model_spec_or_factory=model_obj, session_config=session_config
+                    task,
+                    model_spec_or_factory=model_obj,
+                    session_config=session_config,
+                    traces=traces,
                 )
             if on_result is not None:
                 on_result(r)
@@ -147,6 +176,8 @@ def make_report(
         "n_tasks": n,
         "resolved": sum(row["resolved"] for row in rows),
         "resolve_rate": round(sum(row["resolved"] for row in rows) / n, 4) if n else 0.0,
+        "resolve_rate_se": _binomial_se(sum(row["resolved"] for row in rows), n),
+        "turns": {"total": sum(row["turns"] for row in rows), "mean": _mean(rows, "turns")},
         "mean_reward": round(statistics.fmean(row["reward"] for row in rows), 4) if n else 0.0,
         "wall_s": {
             "p50": _pct(walls, 0.5),
@@ -170,6 +201,14 @@ def make_report(
     return report
 
 
+def _binomial_se(k: int, n: int) -> float:
+    """The standard error of a resolve rate k/n: sqrt(p (1 - p) / n)."""
+    if n == 0:
+        return 0.0
+    p = k / n
+    return round(math.sqrt(p * (1 - p) / n), 4)
+
+
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return round(statistics.fmean(float(r[key]) for r in rows), 3) if rows else 0.0
 
@@ -188,6 +227,8 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|",
         f"| tasks | {report['n_tasks']} |",
         f"| resolve rate | {report['resolve_rate']:.1%} ({report['resolved']}/{report['n_tasks']}) |",
+        f"| resolve rate standard error | {report.get('resolve_rate_se', 0.0):.1%} |",
+        f"| turns (mean) | {report.get('turns', {}).get('mean', 0.0):.2f} |",
         f"| mean reward | {report['mean_reward']:.3f} |",
         f"| wall time per task p50 / p90 | {report['wall_s']['p50']:.2f} s / {report['wall_s']['p90']:.2f} s |",
         f"| tokens (total / mean) | {report['tokens']['total']} / {report['tokens']['mean']:.0f} |",
