@@ -98,9 +98,29 @@ class HumanView:
     def approve(self, name: str, args: dict[str, Any]) -> str:
         self._stop_spin()
         what = args.get("command") if name == "run_terminal" else f"{name} {args.get('path', '')}"
-        self.console.print(f"[bold yellow]approve[/] {name}: {what}")
+        self.console.print(f"[bold yellow]approve[/] {name}: ", end="")
+        self.console.print(_visible(str(what)), highlight=False)
         answer = input("  run? [y]es / [a]lways / [n]o: ").strip().lower()
         return {"y": "run", "yes": "run", "a": "always", "always": "always"}.get(answer, "reject")
+
+
+def _visible(text: str) -> Any:
+    """`text` as a rich Text that shows every character the model wrote: never read as
+    markup (a `[conceal]` tag once hid `; touch …` from the person approving), and
+    control, format and bidi characters (ANSI escapes, `\\r`, U+202E) shown as
+    highlighted `\\x1b`-style escapes instead of acting on the terminal."""
+    import unicodedata
+
+    from rich.text import Text
+
+    out = Text()
+    for ch in text:
+        hidden = unicodedata.category(ch)[0] == "C" or ch in "\u2028\u2029"
+        if ch in "\n\t" or not hidden:
+            out.append(ch)
+        else:
+            out.append(ascii(ch)[1:-1], style="reverse")
+    return out
 
 
 def _short(v: Any, limit: int = 60) -> str:
