@@ -24,6 +24,7 @@ ends with status `repetition` instead of spending its whole token budget).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -33,6 +34,18 @@ Emit = Callable[[str], None]
 Producer = Callable[[TurnOutput, Emit], Awaitable[None]]
 
 _DONE = object()
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` as UTF-8 can carry it: surrogate pairs joined, lone surrogates U+FFFD.
+
+    A model's text enters the system through `emit`, so this is where a broken
+    escape in an OpenAI-style stream (or a scripted turn) is mended, before the
+    parser, the trace store or a JSON event meets it."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 class RepetitionGuard:
@@ -107,6 +120,7 @@ class TaskStream:
         self._guard = guard if guard is not None else RepetitionGuard()
         self._repeated: int | None = None
         self._partial = TurnOutput(text="")
+        self._held = ""  # a high surrogate whose low half may open the next delta
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -149,6 +163,12 @@ class TaskStream:
     def _emit(self, delta: str) -> None:
         if not delta or self._repeated is not None:
             return
+        delta, self._held = self._held + delta, ""
+        if "\ud800" <= delta[-1] <= "\udbff":
+            delta, self._held = delta[:-1], delta[-1]
+        delta = valid_text(delta)
+        if not delta:
+            return
         if self._first is None:
             self._first = time.monotonic()
         self._partial.text += delta
@@ -177,6 +197,10 @@ class TaskStream:
 
     def _finish(self) -> None:
         out = self._partial
+        if self._held:  # a high surrogate that never got its low half
+            self._held = ""
+            out.text += "\ufffd"
+            self._queue.put_nowait("\ufffd")
         if self._repeated is not None:
             out.finish_reason = "repetition"
             out.meta["repetition_period"] = self._repeated
