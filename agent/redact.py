@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -137,7 +137,7 @@ _CODE_WORD = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]\w*)*$")
 _NUMBER = re.compile(r"^[+\-]?\d+(?:\.\d+)?$")
 
 ENV_FILE = re.compile(r"(?:^|[/\\\s\"'=:])\.env(?:\.[\w.\-]+)?(?=$|[\s\"',;:)])")
-ENV_WALK_MAX_DIRS = 20_000
+ENV_WALK_MAX_DIRS = 5_000
 ENV_WALK_MAX_FILES = 50
 _SKIP_DIRS = frozenset(
     {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".tox", ".nox",
@@ -375,15 +375,28 @@ def _env_value_is_secret(key: str, value: str) -> bool:
 
 
 def _env_files(root: Path) -> list[Path]:
-    """`.env` and `.env.*` files under `root`, at any depth (bounded, no symlinks)."""
+    """`.env` and `.env.*` files under `root` at any depth, shallow folders first
+    (breadth-first), without following links; bounded so a huge workspace costs
+    a fraction of a second."""
     found: list[Path] = []
-    for dirs, (folder, subdirs, files) in enumerate(os.walk(root)):
-        if dirs >= ENV_WALK_MAX_DIRS:
-            break
-        subdirs[:] = sorted(d for d in subdirs if d not in _SKIP_DIRS)
-        for name in sorted(files):
-            if name == ".env" or name.startswith(".env."):
-                found.append(Path(folder) / name)
-                if len(found) >= ENV_WALK_MAX_FILES:
-                    return found
+    queue = deque([root])
+    seen = 0
+    while queue and seen < ENV_WALK_MAX_DIRS:
+        folder = queue.popleft()
+        seen += 1
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name not in _SKIP_DIRS:
+                        queue.append(Path(entry.path))
+                elif entry.name == ".env" or entry.name.startswith(".env."):
+                    found.append(Path(entry.path))
+                    if len(found) >= ENV_WALK_MAX_FILES:
+                        return found
+            except OSError:
+                continue
     return found
