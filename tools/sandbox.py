@@ -272,9 +272,12 @@ def git_guard(root: Path) -> GitGuard:
             hooks = os.path.join(gitdir, "hooks")
             with contextlib.suppress(OSError):
                 os.mkdir(hooks)  # as `git init` makes it: something to bind
-            guarded.append(hooks)
+            (guarded if os.path.lexists(hooks) else absent).append(hooks)
         gitdirs += _nested_gitdirs(gitdir)
-    links = tuple((p, os.readlink(p)) for p in guarded if os.path.islink(p))
+    links = []
+    for p in guarded:
+        with contextlib.suppress(OSError):  # not a symlink
+            links.append((p, os.readlink(p)))
     # The rest are real paths inside `top`: each gitdir is, and they are not symlinks.
     read_only = [p for p in guarded if not os.path.islink(p) and os.path.exists(p)]
     pins = set()
@@ -287,7 +290,7 @@ def git_guard(root: Path) -> GitGuard:
         pins=tuple(sorted(pins, key=lambda p: p.count(os.sep))),
         read_only=tuple(read_only),
         absent=tuple(absent),
-        links=links,
+        links=tuple(links),
     )
 
 
