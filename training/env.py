@@ -663,7 +663,7 @@ class EnvironmentServer:
                 self._call(a.prewarm.remote(t), t.command_timeout_s + 60)
                 for t in tasks
                 for a in self.actors
-            )
+            ),
         )
 
     def model(self, spec_or_factory: Any) -> Any:
@@ -783,6 +783,14 @@ class EnvironmentServer:
         m = metrics.summary()
         m["wall_s"] = round(time.monotonic() - t0, 3)
         m["verify_s"] = round(verify_s, 3)
+        if traces is not None:
+            traces.set_meta(
+                result.session_id,
+                task_id=task.id,
+                episode_status=status or result.status,
+                reward=verdict.reward,
+                resolved=verdict.resolved,
+            )
         return EpisodeResult(
             task_id=task.id,
             status=status or result.status,

@@ -92,6 +92,7 @@ def rollout_from_episode(result: Any, *, group: int = 0, index: int = 0) -> Roll
         turns=[t for t in turns if t is not None],
         duration_s=float((getattr(result, "metrics", {}) or {}).get("wall_s", 0.0)),
         error=str(getattr(result, "error", "") or ""),
+        session_id=str(getattr(result, "session_id", "") or ""),
     )
     metrics = getattr(result, "metrics", {}) or {}
     r.stats = {ours: float(metrics.get(theirs, 0.0)) for theirs, ours in METRIC_KEYS.items()}
@@ -445,6 +446,7 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
 
 
 async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: bool) -> Path:
+    from opencomposer.agent.traces import TraceStore
     from opencomposer.training.env import EnvConfig, EnvironmentServer
     from opencomposer.training.tasks import TaskError, load_suite
 
@@ -461,12 +463,16 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
     )
     sampler = make_sampler(cfg, folder)
     env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
+    out.mkdir(parents=True, exist_ok=True)
+    traces = TraceStore(out / "traces.db")  # every episode, like a user's session
     # `--sft` on traces or demonstrations never samples: the engine stays unstarted
     samples = not sft or cfg.sft.source == "rejection"
     await asyncio.gather(env.start(), *([sampler.start()] if samples else []))
 
     async def episode(task: Any, scfg: Any) -> Rollout:
-        res = env.run_episode(task, model_spec_or_factory=sampler, session_config=scfg)
+        res = env.run_episode(
+            task, model_spec_or_factory=sampler, session_config=scfg, traces=traces
+        )
         if inspect.isawaitable(res):
             res = await res
         return rollout_from_episode(res)
@@ -491,6 +497,7 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         return await run_loop(run, max_steps=max_steps)
     finally:
         await env.close()
+        traces.close()
         await sampler.close()
 
 

@@ -71,6 +71,7 @@ class Rollout:
     stats: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
     error: str = ""
+    session_id: str = ""  # the episode's trace (`<run>/traces.db`)
 
     @property
     def versions(self) -> list[int]:
