@@ -142,7 +142,7 @@ class EditorWorkspace(LocalWorkspace):
         self._changed(key)
 
     async def delete(self, path: str) -> None:
-        key = self.key(path)
+        key = self.key(path, follow=False)  # a symlink goes, never its target
         target = self.root / key
         if target.is_dir():
             raise ToolError(f"{key} is a directory; delete_file removes files only")
