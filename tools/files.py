@@ -17,18 +17,19 @@ fuzzy rungs fix the common mistake without ever matching different code.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import difflib
+import heapq
 import re
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from opencomposer.tools.output import returns_errors
-from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResult
-from opencomposer.tools.workspace import walk
+from opencomposer.tools.protocols import Edit, PathError, ToolContext, ToolError, ToolResult
+from opencomposer.tools.workspace import MAX_FILE_BYTES, walk
 
 READ_MAX_LINES = 2000
-READ_MAX_FILE_BYTES = 32_000_000
+READ_MAX_FILE_BYTES = MAX_FILE_BYTES
 READ_MAX_CHARS = 60_000
 LINE_MAX_CHARS = 2000
 DIFF_MAX_CHARS = 4000
@@ -60,18 +61,95 @@ def _keep_ends(text: str) -> list[str]:
     return [line for line in re.split(r"(?<=\n)", text) if line]
 
 
+_HUNK = re.compile(r"@@ -(\d+)((?:,\d+)?) \+(\d+)((?:,\d+)?) @@")
+_CONTEXT = 3  # difflib's default context lines
+
+
 def unified_diff(path: str, before: str | None, after: str | None) -> str:
-    a = _keep_ends(before or "")
-    b = _keep_ends(after or "")
+    """A unified diff of two texts, made on the changed middle only.
+
+    The common head and tail (whole lines, less the context) are cut off in
+    linear time before difflib sees the lines, and the hunk headers are shifted
+    back: an edit of one line in a 16 MB file costs a few copies of the file,
+    not difflib's line tables over all of it.
+    """
+    a, b = before or "", after or ""
+    head, tail = _common_lines(a, b)
+    shift = a.count("\n", 0, head)
     diff = difflib.unified_diff(
-        a,
-        b,
+        _keep_ends(a[head : len(a) - tail]),
+        _keep_ends(b[head : len(b) - tail]),
         "/dev/null" if before is None else f"a/{path}",
         "/dev/null" if after is None else f"b/{path}",
     )
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in diff
-    )
+    out = []
+    for line in diff:
+        if shift and line.startswith("@@ -"):
+            line = _HUNK.sub(
+                lambda m: f"@@ -{int(m[1]) + shift}{m[2]} +{int(m[3]) + shift}{m[4]} @@", line, 1
+            )
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+def _common_lines(a: str, b: str) -> tuple[int, int]:
+    """(head, tail): character counts of whole lines that `a` and `b` share at
+    their start and end, less `_CONTEXT` lines each, never overlapping."""
+    p = _prefix_len(a, b)
+    head = a.rfind("\n", 0, p) + 1  # start of the line holding the first difference
+    for _ in range(_CONTEXT):
+        if head == 0:
+            break
+        head = a.rfind("\n", 0, head - 1) + 1
+    s = _suffix_len(a, b, min(len(a), len(b)) - p)
+    nl = a.find("\n", len(a) - s) if s else -1
+    if nl < 0:  # no line boundary inside the common tail
+        return head, 0
+    start = nl + 1
+    for _ in range(_CONTEXT):
+        nl = a.find("\n", start)
+        if nl < 0:
+            return head, 0
+        start = nl + 1
+    return head, len(a) - start
+
+
+_STEP = 1 << 16
+
+
+def _prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix: 64 KiB blocks compared in C, then a bisection."""
+    n, lo = min(len(a), len(b)), 0
+    while lo < n and a[lo : lo + _STEP] == b[lo : lo + _STEP]:
+        lo += _STEP
+    hi = min(lo + _STEP, n)
+    while lo < hi:  # a[:lo] == b[:lo]; the first difference is before hi
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return min(lo, n)
+
+
+def _suffix_len(a: str, b: str, most: int) -> int:
+    """Length of the common suffix, at most `most` (see `_prefix_len`)."""
+    la, lb, lo = len(a), len(b), 0
+    while (
+        lo < most
+        and a[la - min(lo + _STEP, most) : la - lo] == b[lb - min(lo + _STEP, most) : lb - lo]
+    ):
+        lo = min(lo + _STEP, most)
+        if lo == most:
+            return most
+    hi = min(lo + _STEP, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[la - mid : la - lo] == b[lb - mid : lb - lo]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _short(diff: str) -> str:
@@ -205,23 +283,34 @@ def _reindent(
     return out, f"; new text re-indented by {delta:+d} columns"
 
 
-def _line_starts(text: str) -> list[int]:
-    starts = [0]
-    starts.extend(m.end() for m in re.finditer("\n", text))
-    return starts
+def _some(lines: list[int], most: int = 20) -> str:
+    shown = ", ".join(map(str, lines[:most]))
+    return shown if len(lines) <= most else f"{shown} and {len(lines) - most} more"
 
 
-def _line_of(starts: list[int], offset: int) -> int:
-    return bisect.bisect_right(starts, offset)
+def _match_lines(text: str, old: str) -> list[int]:
+    """1-based line of each match of `old`, counting newlines once across the text."""
+    lines, line, last, pos = [], 1, 0, text.find(old)
+    while pos >= 0:
+        line += text.count("\n", last, pos)
+        lines.append(line)
+        last, pos = pos, text.find(old, pos + 1)
+    return lines
 
 
 def _fuzzy_matches(
     file_lines: list[str], old_lines: list[str], norm: Callable[[str], str]
 ) -> list[int]:
+    """Starts of the windows equal to `old_lines` under `norm`. The file's lines are
+    normalised as they are compared, never all at once (a copy of a big file each)."""
     want = [norm(x) for x in old_lines]
-    have = [norm(x) for x in file_lines]
     n = len(want)
-    return [i for i in range(len(have) - n + 1) if have[i : i + n] == want]
+    return [
+        i
+        for i in range(len(file_lines) - n + 1)
+        if norm(file_lines[i]) == want[0]
+        and all(norm(file_lines[i + j]) == want[j] for j in range(1, n))
+    ]
 
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -231,23 +320,24 @@ def _best_window(file_lines: list[str], old_lines: list[str]) -> tuple[int, floa
     """(start, similarity) of the file window most like `old_lines`; start -1 if none.
 
     A coarse pass scores every window by token overlap with up to 8 of old's lines
-    (linear in the file), then difflib ranks the best five line by line; a miss on
-    a 20,000-line file costs about a tenth of a second.
+    (linear in the file; each file line's tokens are made once and added to the
+    windows that sample it, so only one float per window is kept), then difflib
+    ranks the best five line by line; a miss on a 20,000-line file costs about a
+    tenth of a second.
     """
     n = max(1, len(old_lines))
-    starts = range(max(1, len(file_lines) - n + 1))
+    count = max(1, len(file_lines) - n + 1)
     filled = [j for j, line in enumerate(old_lines) if line.strip()] or [0]
     sample = sorted({filled[round(k * (len(filled) - 1) / 7)] for k in range(8)})
     old_tok = [set(_TOKEN.findall(old_lines[j])) if j < len(old_lines) else set() for j in sample]
-    file_tok = [set(_TOKEN.findall(line)) for line in file_lines]
-
-    def coarse(i: int) -> float:
-        score = 0.0
+    scores = array("d", bytes(8 * count))
+    for k, line in enumerate(file_lines):
+        have: set[str] | None = None
         for j, want in zip(sample, old_tok, strict=True):
-            if i + j < len(file_tok) and want:
-                have = file_tok[i + j]
-                score += len(want & have) / len(want | have)
-        return score
+            if want and 0 <= k - j < count:
+                if have is None:
+                    have = set(_TOKEN.findall(line))
+                scores[k - j] += len(want & have) / len(want | have)
 
     def fine(i: int) -> float:
         pairs = list(zip(old_lines[:50], file_lines[i : i + min(n, 50)], strict=False))
@@ -256,7 +346,7 @@ def _best_window(file_lines: list[str], old_lines: list[str]) -> tuple[int, floa
         ratios = [difflib.SequenceMatcher(None, a.strip(), b.strip()).ratio() for a, b in pairs]
         return sum(ratios) / max(len(pairs), min(n, 50))
 
-    ranked = sorted(starts, key=coarse, reverse=True)[:5]
+    ranked = heapq.nlargest(5, range(count), key=scores.__getitem__)
     scored = [(fine(i), -i) for i in ranked]
     best, neg_i = max(scored) if scored else (0.0, 1)
     return -neg_i, best
@@ -296,13 +386,9 @@ def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, 
     if count == 1 or (count > 1 and replace_all):
         return text.replace(old, new), count, "exact match"
     if count > 1:
-        starts = _line_starts(text)
-        lines, pos = [], text.find(old)
-        while pos >= 0:
-            lines.append(_line_of(starts, pos))
-            pos = text.find(old, pos + 1)
+        lines = _match_lines(text, old)
         raise ToolError(
-            f"old text matches {count} times (at lines {', '.join(map(str, lines))}); "
+            f"old text matches {count} times (at lines {_some(lines)}); "
             'add surrounding lines to make it unique, or set replace_all="true"'
         )
 
@@ -317,7 +403,7 @@ def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, 
             if len(hits) > 1 and not replace_all:
                 raise ToolError(
                     f"old text matches {len(hits)} times {rung.name} "
-                    f"(at lines {', '.join(str(i + 1) for i in hits)}); add surrounding lines "
+                    f"(at lines {_some([i + 1 for i in hits])}); add surrounding lines "
                     'to make it unique, or set replace_all="true"'
                 )
             note = ""
@@ -408,13 +494,15 @@ async def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
 @returns_errors
 async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
     ws = ctx.workspace
-    key = ws.relative(ws.resolve(path))
+    key = ws.key(path, follow=False)  # a symlink names itself: the link goes, not its target
     if key == "." or ws.is_dir(path):
         raise ToolError(f"{key} is a directory; delete_file removes files only")
     if not ws.exists(path):
         raise ToolError(f"file not found: {key}")
     try:
         before = ws.read_text(path)
+    except PathError:
+        raise
     except ToolError:
         raise ToolError(
             f"{key} is not a text file; delete_file only removes text files it can restore"
@@ -446,18 +534,23 @@ async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResu
 
     children: dict[str, list[tuple[str, bool]]] = {}
     hidden: dict[str, int] = {}
-    scanned = 0
-    for rel, is_dir in walk(ws.root, start, include_dirs=True):
-        scanned += 1
-        if scanned > LIST_MAX_SCAN:
-            break
-        parent, _, name = rel.rpartition("/")
-        level = rel.count("/") + 1 - base_depth
-        if level > depth:
-            top = "/".join(rel.split("/")[: base_depth + depth])
-            hidden[top] = hidden.get(top, 0) + (0 if is_dir else 1)
-            continue
-        children.setdefault(parent, []).append((name, is_dir))
+
+    def scan() -> int:
+        scanned = 0
+        for rel, is_dir in walk(ws.root, start, include_dirs=True):
+            scanned += 1
+            if scanned > LIST_MAX_SCAN:
+                break
+            parent, _, name = rel.rpartition("/")
+            level = rel.count("/") + 1 - base_depth
+            if level > depth:
+                top = "/".join(rel.split("/")[: base_depth + depth])
+                hidden[top] = hidden.get(top, 0) + (0 if is_dir else 1)
+                continue
+            children.setdefault(parent, []).append((name, is_dir))
+        return scanned
+
+    scanned = await asyncio.to_thread(scan)  # a big tree is walked off the event loop
 
     lines = [f"{key}/" if key != "." else "./"]
     count = 0

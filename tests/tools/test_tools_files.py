@@ -3,10 +3,17 @@ driven through the declared specs exactly as the session executor runs them."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
-from opencomposer.tools import specs
+from opencomposer.tools import specs, workspace
 from opencomposer.tools.protocols import ToolContext, ToolResult
 from opencomposer.tools.workspace import LocalWorkspace
 
@@ -323,3 +330,185 @@ async def test_read_file_refuses_huge_files_with_advice(
     (ctx.workspace.root / "log.txt").write_text("x" * 5000)
     r = await call(ctx, "read_file", path="log.txt")
     assert r.status == "error" and "too big for read_file" in r.output and "sed -n" in r.output
+
+
+# -- issue 19: special files, symlinks, aliases, size ------------------------------
+
+
+def _unblocked(fifo: Path, coro_fn, timeout: float = 5.0) -> ToolResult:  # type: ignore[no-untyped-def]
+    """Run a tool call on its own event loop in a thread; a call that blocks on the
+    FIFO is unblocked (a writer opens and closes it) and the test fails."""
+    out: list[ToolResult] = []
+    worker = threading.Thread(target=lambda: out.append(asyncio.run(coro_fn())), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout)
+        pytest.fail(f"the call blocked on the FIFO {fifo.name}")
+    return out[0]
+
+
+async def test_file_tools_refuse_a_fifo_at_once(ctx: ToolContext) -> None:
+    """Issue 19 item 10: read_file on a FIFO blocked the event loop (and the language
+    server) for good. Every file tool refuses it in one line and leaves it in place."""
+    fifo = ctx.workspace.root / "src" / "pipe.py"
+    os.mkfifo(fifo)
+    for name, raw in [
+        ("read_file", dict(path="src/pipe.py")),
+        ("edit_file", dict(path="src/pipe.py", old="a", new="b")),
+        ("write_file", dict(path="src/pipe.py", content="x")),
+        ("delete_file", dict(path="src/pipe.py")),
+    ]:
+        r = _unblocked(fifo, lambda name=name, raw=raw: call(ctx, name, **raw))
+        assert r.status == "error" and "\n" not in r.output, (name, r.output)
+    r = _unblocked(fifo, lambda: call(ctx, "list_dir", path="src"))
+    assert r.status == "ok" and "pipe.py" in r.output and "app.py" in r.output
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+async def test_delete_file_on_a_symlink_deletes_the_link(ctx: ToolContext) -> None:
+    """Issue 19 item 10: delete_file on a symlink deleted its target."""
+    root = ctx.workspace.root
+    (root / "link.py").symlink_to("src/app.py")
+    r = await call(ctx, "delete_file", path="./link.py")
+    assert r.status == "ok", r.output
+    assert not (root / "link.py").is_symlink() and disk(ctx, "src/app.py") == APP
+    assert r.edits[0].path == "link.py" and r.edits[0].before == APP
+
+
+async def test_list_dir_and_read_survive_symlink_loops(ctx: ToolContext) -> None:
+    """Issue 19 item 10: one symlink loop made list_dir fail for the whole workspace."""
+    root = ctx.workspace.root
+    (root / "loop").symlink_to("loop")
+    (root / "src" / "parent").symlink_to("..")
+    r = await call(ctx, "list_dir", depth="3")
+    assert r.status == "ok" and "app.py" in r.output and "loop" in r.output
+    r = await call(ctx, "read_file", path="loop")
+    assert r.status == "error" and "\n" not in r.output
+
+
+async def test_files_over_the_cap_are_refused(
+    ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 item 13: the file tools load a file whole, so they refuse one over the cap."""
+    monkeypatch.setattr(workspace.read_regular, "__defaults__", (1000,))
+    (ctx.workspace.root / "big.txt").write_text("x\n" * 1000)
+    r = await call(ctx, "edit_file", path="big.txt", old="x", new="y", replace_all="true")
+    assert r.status == "error" and "the file tools load" in r.output and "\n" not in r.output
+    assert disk(ctx, "big.txt") == "x\n" * 1000
+
+
+_MEMORY_PROBE = """
+import asyncio, resource, sys, tempfile, tracemalloc
+from pathlib import Path
+from opencomposer.tools import specs, workspace
+from opencomposer.tools.protocols import ToolContext
+from opencomposer.tools.workspace import LocalWorkspace
+
+root = Path(tempfile.mkdtemp())
+line = "    value = compute(alpha, beta)  # a typical line of code\\n"
+lines = (workspace.MAX_FILE_BYTES - 100) // len(line)
+with open(root / "big.py", "w") as f:
+    for i in range(lines):
+        f.write("    target = 1\\n" if i == lines // 2 else line)
+size = (root / "big.py").stat().st_size
+spec = specs.get("edit_file")
+ctx = ToolContext(workspace=LocalWorkspace(root))
+
+async def edit(old, new):
+    return await spec.run(ctx, spec.validate(dict(path="big.py", old=old, new=new)))
+
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+async def main():
+    base = rss()
+    miss = await edit("nothing = like_this(3)", "x")  # every rung of the ladder, then the closest lines
+    miss_peak = rss() - base
+    tracemalloc.start()
+    hit = await edit("    target = 1\\n", "    target = 2\\n")
+    hit_peak = tracemalloc.get_traced_memory()[1]
+    print(miss.status, hit.status, size, miss_peak, hit_peak)
+
+asyncio.run(main())
+"""
+
+
+def test_edit_file_memory_is_a_small_multiple_of_the_file() -> None:
+    """Issue 19 item 13: edit_file on a 55 MB file peaked at 1.65 GB (30x): the miss
+    path kept token sets for every line and the diff ran difflib over the whole file.
+    On a file just under the cap, a hit now peaks near 2x and a miss near 3.5x."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    miss, hit, size, miss_peak, hit_peak = out.stdout.split()
+    assert (miss, hit) == ("error", "ok")
+    assert int(hit_peak) < 3 * int(size), (hit_peak, size)
+    assert int(miss_peak) < 5 * int(size), (miss_peak, size)
+
+
+def test_unified_diff_of_the_middle_matches_difflib_over_everything() -> None:
+    """The diff is made on the changed middle only; its hunks must be difflib's own."""
+    import difflib
+    import random
+
+    from opencomposer.tools.files import _keep_ends, unified_diff
+
+    rng = random.Random(19)
+    for _ in range(300):
+        a_lines = [
+            rng.choice("abcde") * rng.randint(0, 3) + "\n" for _ in range(rng.randint(0, 40))
+        ]
+        b_lines = list(a_lines)
+        for _ in range(rng.randint(0, 3)):
+            i = rng.randint(0, len(b_lines))
+            if rng.random() < 0.5 and i < len(b_lines):
+                del b_lines[i]
+            else:
+                b_lines.insert(i, rng.choice("xyz") + "\n")
+        a, b = "".join(a_lines), "".join(b_lines)
+        if rng.random() < 0.3:
+            b = b.rstrip("\n")
+        want = "".join(
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+            for line in difflib.unified_diff(_keep_ends(a), _keep_ends(b), "a/f", "b/f")
+        )
+        got = unified_diff("f", a, b)
+        assert _hunks_apply(a, got) == b, (a, b, got)
+        assert (got == "") == (want == "")
+
+
+def _hunks_apply(text: str, diff: str) -> str:
+    """Apply a unified diff (as `patch` would) to check that its line numbers are right."""
+    import re
+
+    from opencomposer.tools.files import _keep_ends
+
+    old = _keep_ends(text)
+    out: list[str] = []
+    pos = 0
+    lines = diff.splitlines(keepends=True)
+    i = 2
+    while i < len(lines):
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", lines[i])
+        assert m, lines[i]
+        start, count = int(m[1]), int(m[2] or 1)
+        first = start - 1 if count else start
+        out += old[pos:first]
+        pos = first
+        i += 1
+        while i < len(lines) and not lines[i].startswith("@@"):
+            line = lines[i]
+            nl = i + 1 < len(lines) and lines[i + 1].startswith("\\ No newline")
+            body = line[1:] if not nl else line[1:].rstrip("\n")
+            if line[0] in " -":
+                assert old[pos] == body, (old[pos], body)
+                pos += 1
+            if line[0] in " +":
+                out.append(body)
+            i += 2 if nl else 1
+    out += old[pos:]
+    return "".join(out)
