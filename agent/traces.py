@@ -227,7 +227,7 @@ class TraceStore:
                 except sqlite3.OperationalError:
                     pass  # another process added it first
         self._db.execute(
-            "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
         )
         self._redactors: dict[str, Redactor] = {}
 
@@ -450,6 +450,7 @@ class TraceStore:
             return None
         out = dict(row)
         out["session_id"] = out.pop("id")
+        out.pop("owner", None)  # host and boot ids: for `reap`, not for exports
         out["sampling"] = json.loads(out["sampling"] or "{}")
         out["meta"] = json.loads(out["meta"] or "{}")
         return finite(out)
