@@ -6,6 +6,16 @@ editor buffers (the workspace overlay) are searched from their text, never from
 the stale disk copy. Globs follow .gitignore rules: a pattern without a slash
 matches a file name in any folder (`*.py`), `**` spans folders, `{a,b}` expands.
 
+rg runs on the host, outside the sandbox, so nothing the model writes may become
+one of its options: every value travels inside its own `--flag=value` argument,
+the one path operand comes after `--` and starts with `./`, and `--no-config`
+keeps a `RIPGREP_CONFIG_PATH` from adding any (`--pre` would run a program). A
+folder to search is opened through descriptors like every file access (see
+`opencomposer.tools.workspace`) and becomes rg's cwd; a single file is opened the
+same way and becomes rg's stdin; so a path swapped for a symlink after the check
+is not followed out of the workspace. Only folders and regular files are
+searched: rg would block on a FIFO named as the path.
+
 Errors follow the package convention (see `opencomposer.tools.files`).
 """
 
@@ -18,15 +28,17 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pathspec
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import SearchHit, ToolContext, ToolError, ToolResult
-from opencomposer.tools.workspace import walk_files
+from opencomposer.tools.workspace import parent_dir, read_regular, walk_files
 
 GREP_MAX_SHOWN = 200
 GREP_MAX_COUNTED = 50_000  # stop reading matches past this; say "more than"
@@ -90,6 +102,8 @@ async def grep(
     key = ws.key(path or ".")
     if not ws.exists(key):
         raise ToolError(f"path not found: {key}")
+    if not _searchable(ws.root / key):
+        raise ToolError(f"{key} is not a regular file or a folder; grep searches text files")
     try:
         regex: re.Pattern[str] | None = re.compile(pattern, 0 if case_sensitive else re.IGNORECASE)
     except re.error as e:
@@ -158,6 +172,7 @@ async def _grep_rg(
 ) -> tuple[list[Match], int]:
     args = [
         rg,
+        "--no-config",
         "--no-require-git",
         "--hidden",
         "--glob=!.git",
@@ -175,10 +190,62 @@ async def _grep_rg(
         args.append("--engine=auto")  # PCRE2 when the pattern needs look-around
     for g in _expand_braces(glob) if glob else ():
         args.append(f"--glob={g}")
-    args += ["-e", pattern]
-    if key != ".":
-        args.append(key)
-    return await asyncio.to_thread(_run_rg, args, root, pattern, skip)
+    args.append(f"--regexp={pattern}")
+    return await asyncio.to_thread(_run_rg, args, root, key, pattern, skip)
+
+
+def _searchable(target: Path) -> bool:
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return True  # an open buffer not on disk; the search reports what it finds
+    return stat.S_ISDIR(mode) or stat.S_ISREG(mode)
+
+
+class _Start(NamedTuple):
+    """How rg is started for one grep: where, on what, and what its names are relative to."""
+
+    cwd: str
+    operands: list[str]
+    prefix: str  # joined before each name rg prints ("<stdin>" stands for `stdin_name`)
+    pass_fds: tuple[int, ...] = ()
+    stdin: int | None = None
+    stdin_name: str = ""
+
+
+@contextlib.contextmanager
+def _start(root: Path, key: str) -> Iterator[_Start]:
+    """Where rg starts for `key`, with no path looked up again after the check.
+
+    A folder is opened through descriptors (see `parent_dir`) and becomes rg's cwd
+    as `/proc/self/fd/N`; a file is opened the same way (O_NOFOLLOW, checked
+    regular) and handed to rg as stdin. Without /proc the path is given after
+    `--` as `./…`.
+    """
+    if key == ".":
+        yield _Start(str(root), [], "")
+        return
+    if not Path("/proc/self/fd").is_dir():
+        yield _Start(str(root), ["--", f"./{key}"], "")
+        return
+    try:
+        with parent_dir(root, key) as (dir_fd, name):
+            if (root / key).is_dir():
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                try:
+                    yield _Start(f"/proc/self/fd/{fd}", [], key + "/", pass_fds=(fd,))
+                finally:
+                    os.close(fd)
+                return
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ToolError(f"{key} is not a regular file; grep searches text files")
+                yield _Start(str(root), ["--", "-"], "", stdin=fd, stdin_name=key)
+            finally:
+                os.close(fd)
+    except OSError as e:
+        raise ToolError(f"cannot search {key}: {e.strerror}") from None
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -188,7 +255,9 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         os.kill(proc.pid, signal.SIGKILL)
 
 
-def _run_rg(args: list[str], root: Path, pattern: str, skip: set[str]) -> tuple[list[Match], int]:
+def _run_rg(
+    args: list[str], root: Path, key: str, pattern: str, skip: set[str]
+) -> tuple[list[Match], int]:
     """Read rg's matches in a worker thread, stopping early past GREP_MAX_COUNTED.
 
     A plain Popen in a thread, not an asyncio subprocess: the asyncio child watcher
@@ -196,14 +265,16 @@ def _run_rg(args: list[str], root: Path, pattern: str, skip: set[str]) -> tuple[
     then never resolve, and a line longer than a StreamReader's limit raises. A timer
     kills a search that runs past GREP_TIMEOUT_S.
     """
-    proc = subprocess.Popen(
-        args,
-        cwd=str(root),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with _start(root, key) as start:
+        proc = subprocess.Popen(
+            args + start.operands,
+            cwd=start.cwd,
+            pass_fds=start.pass_fds,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL if start.stdin is None else start.stdin,
+            start_new_session=True,
+        )
     timer = threading.Timer(GREP_TIMEOUT_S, _kill, (proc,))
     timer.start()
     shown: list[Match] = []
@@ -212,7 +283,10 @@ def _run_rg(args: list[str], root: Path, pattern: str, skip: set[str]) -> tuple[
     try:
         for raw in proc.stdout:
             name, _, rest = raw.rstrip(b"\n").partition(b"\0")
-            path = name.decode("utf-8", "replace")
+            if start.stdin is not None and name == b"<stdin>":
+                path = start.stdin_name
+            else:
+                path = start.prefix + name.decode("utf-8", "replace").removeprefix("./")
             if path in skip:
                 continue
             line_no, _, text = rest.partition(b":")
@@ -254,12 +328,10 @@ def _grep_python(
     for rel in files:
         if rel in skip or (spec is not None and not spec.match_file(rel)):
             continue
-        target = base / rel
         try:
-            if target.stat().st_size > GREP_MAX_FILESIZE:
-                continue
-            data = target.read_bytes()
-        except OSError:
+            with parent_dir(base, rel) as (dir_fd, name):
+                data = read_regular(dir_fd, name, rel, GREP_MAX_FILESIZE)
+        except (OSError, ToolError):  # too big, not a regular file, or gone
             continue
         if b"\0" in data:
             continue

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -176,3 +180,104 @@ async def test_codebase_search_without_index(ctx: ToolContext) -> None:
     ctx.index_factory = broken
     r = await call(ctx, "codebase_search", query="retry")
     assert r.status == "error" and "disk full" in r.output
+
+
+# -- issue 19: model input never becomes a program's option; odd files --------------
+
+
+def _plant(root: Path, marker: Path) -> None:
+    """Files whose names are rg options, and a script that leaves `marker` if run."""
+    (root / "evil.sh").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (root / "evil.sh").chmod(0o755)
+    for name in ["--pre=sh", "-x", "--files", "-e", "--no-config"]:
+        (root / name).write_text(f"x in {name}\n")
+    (root / "-d").mkdir()
+    (root / "-d" / "f.txt").write_text("x in -d/f.txt\n")
+    (root / "rgrc").write_text("--pre=sh\n")
+
+
+async def test_grep_model_input_never_becomes_an_rg_option(
+    ctx: ToolContext, engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19 item 1: `<grep pattern="x" path="--pre=sh"/>` with a file named
+    `--pre=sh` made rg run every searched file through sh, on the host, unapproved.
+    Paths, patterns and globs stay operands; a ripgrep config file adds nothing."""
+    root = ctx.workspace.root
+    marker = tmp_path / "ran"
+    _plant(root, marker)
+    monkeypatch.setenv("RIPGREP_CONFIG_PATH", str(root / "rgrc"))
+    for name in ["--pre=sh", "-x", "--files", "-e", "--no-config"]:
+        r = await call(ctx, "grep", pattern="x", path=name)
+        assert r.output == f"{name}:1:x in {name}", r.output
+    r = await call(ctx, "grep", pattern="x", path="-d")
+    assert r.output == "-d/f.txt:1:x in -d/f.txt"
+    r = await call(ctx, "grep", pattern="--pre=sh", path=".")
+    assert r.output.splitlines() == ["--pre=sh:1:x in --pre=sh", "rgrc:1:--pre=sh"]
+    r = await call(ctx, "grep", pattern="--fi", glob="--files")
+    assert r.output == "--files:1:x in --files"
+    r = await call(ctx, "grep", pattern="x in -x")
+    assert r.output == "-x:1:x in -x"
+    assert not marker.exists()
+
+
+def _guarded(fifo: Path, coro_fn, timeout: float = 10.0) -> ToolResult:  # type: ignore[no-untyped-def]
+    """Run a tool call on its own loop in a thread; fail (after unblocking) if it blocks."""
+    out: list[ToolResult] = []
+    worker = threading.Thread(target=lambda: out.append(asyncio.run(coro_fn())), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout)
+        pytest.fail(f"the call blocked on the FIFO {fifo.name}")
+    return out[0]
+
+
+async def test_grep_and_glob_skip_special_files_and_symlink_loops(
+    ctx: ToolContext, engine: str
+) -> None:
+    """Issue 19 item 10: a FIFO named as grep's path blocked the search; one symlink loop
+    broke glob for the whole workspace. Both now answer, with the rest of the files."""
+    root = ctx.workspace.root
+    fifo = root / "src" / "pipe.py"
+    os.mkfifo(fifo)
+    (root / "loop").symlink_to("loop")
+    (root / "src" / "up").symlink_to("..")
+    r = _guarded(fifo, lambda: call(ctx, "grep", pattern="retry", path="src/pipe.py"))
+    assert r.status == "error" and "regular file" in r.output
+    r = _guarded(fifo, lambda: call(ctx, "grep", pattern=r"retry\("))
+    assert r.output.splitlines() == ["src/app.py:1:def retry(n):", "src/net/client.py:2:retry(2)"]
+    r = _guarded(fifo, lambda: call(ctx, "glob", pattern="**/*"))
+    assert r.output.splitlines() == [
+        ".gitignore",
+        "data.bin",
+        "src/app.py",
+        "src/net/client.py",
+        "src/notes.md",
+    ]
+
+
+@pytest.mark.parametrize("target", ["src/net", "src/app.py"])
+async def test_grep_does_not_follow_a_path_swapped_for_a_symlink(
+    ctx: ToolContext, engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """Issue 19 item 8 for reads: the path passes the check, then becomes a symlink to a
+    folder or file outside before the search opens it; nothing from outside comes back."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "client.py").write_text("retry s3cret\n")
+    (tmp_path / "secret.py").write_text("retry s3cret\n")
+    real = search._searchable
+    path = ctx.workspace.root / target
+
+    def check_then_swap(p: Path) -> bool:
+        ok = real(p)
+        path.rename(path.with_name(path.name + ".old"))
+        path.symlink_to(outside if path.name == "net" else tmp_path / "secret.py")
+        return ok
+
+    monkeypatch.setattr(search, "_searchable", check_then_swap)
+    r = await call(ctx, "grep", pattern="retry", path=target)
+    assert "s3cret" not in r.output
+    assert r.status == "error" or "no matches" in r.output, r.output
