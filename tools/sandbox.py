@@ -357,18 +357,26 @@ def _is_secret(name: str, value: str) -> bool:
     return any(h in value for h in _TOKEN_HINTS) and _TOKEN.search(value) is not None
 
 
+def sandbox_path() -> str:
+    """PATH as commands get it. Started from a virtual environment (the project's, or
+    opencomposer's own), its tools (python, pytest) come first, as in a shell where it
+    is active."""
+    path = os.environ.get("PATH", "")
+    if sys.prefix == sys.base_prefix:
+        return path
+    venv_bin = str(Path(sys.executable).parent)
+    rest = [p for p in path.split(os.pathsep) if p and p != venv_bin]
+    return os.pathsep.join([venv_bin, *rest])
+
+
 def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:
     """The caller's environment without secrets, set up for non-interactive use.
 
     Sandboxed, caches go to the private /tmp: the home folder is read-only there.
     """
     env = {k: v for k, v in os.environ.items() if not _is_secret(k, v)}
-    if sys.prefix != sys.base_prefix:
-        # Started from a virtual environment (the project's, or opencomposer's own):
-        # its tools (python, pytest) come first, as in a shell where it is active.
-        venv_bin = str(Path(sys.executable).parent)
-        path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
-        env["PATH"] = os.pathsep.join([venv_bin, *path])
+    if "PATH" in env or sys.prefix != sys.base_prefix:
+        env["PATH"] = sandbox_path()
     env.update(TERM="dumb", PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
     env.setdefault("LANG", "C.UTF-8")
     if mode != "off":

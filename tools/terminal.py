@@ -12,6 +12,9 @@ command can *do*, not on its name:
   every stage is a program in `SAFE_PROGRAMS`. Redirections, `;`, `&&`, `||`,
   background `&`, substitutions, subshells, variables, globs, `~`, comments and
   control characters are refused: anything we cannot read with certainty is unsafe.
+- The program bash will find on the sandbox's PATH must lie outside the workspace
+  (a `cat` written into a virtual environment inside it, or reached through a
+  relative PATH entry, is not the `cat` on this list).
 - Each program's options are parsed as GNU getopt would (combined short flags,
   `-n20`, `--lines=20`, `--lines 20`, options after operands) against the list of
   options known to be harmless for *that* program. An unknown option is unsafe,
@@ -41,6 +44,7 @@ decides whether the user is asked first.
 from __future__ import annotations
 
 import enum
+import os
 import re
 import shlex
 from collections.abc import Callable
@@ -50,7 +54,7 @@ from typing import Any
 
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult
-from opencomposer.tools.sandbox import CommandResult, run_sandboxed
+from opencomposer.tools.sandbox import CommandResult, run_sandboxed, sandbox_path
 
 MAX_TIMEOUT_S = 3600.0
 
@@ -133,6 +137,9 @@ _GREP = _gnu(
     numeric_short=True,
     pattern_from=frozenset({"-e", "-f", "--regexp", "--file"}),
 )
+
+# bash runs its own of these, whatever PATH holds
+_BUILTINS = frozenset({"echo", "printf", "true", "false", "pwd"})
 
 SAFE_PROGRAMS: dict[str, Program] = {
     # bash builtins
@@ -475,11 +482,25 @@ def _find_safe(args: list[str], root: Path) -> bool:
     return True
 
 
+def _found_outside(name: str, root: Path) -> bool:
+    """True unless the program bash would run for `name` (the first on the sandbox's
+    PATH) is a file in the workspace: one the model could have written, perhaps in a
+    virtual environment inside it, or through a relative PATH entry."""
+    for entry in sandbox_path().split(os.pathsep):
+        candidate = os.path.join(root, entry, name)  # an absolute entry replaces root
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            real = os.path.realpath(candidate)
+            return not real.startswith(f"{root}{os.sep}")
+    return True
+
+
 def _stage_safe(words: list[str], root: Path) -> bool:
     if not words:
         return False
     name, args = words[0], words[1:]
     if "/" in name or "=" in name:
+        return False
+    if name not in _BUILTINS and not _found_outside(name, root):
         return False
     if name == "find":
         return _find_safe(args, root)

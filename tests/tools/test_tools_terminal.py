@@ -7,6 +7,7 @@ of that program, which must not.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,23 @@ def test_workspace_root_through_a_symlink(ws: Path, tmp_path: Path) -> None:
     alias.symlink_to(ws)
     assert is_safe_command("cat a.txt src/app.py", alias)
     assert not is_safe_command("cat ../outside/secret", alias)
+
+
+@pytest.mark.parametrize("entry", ["{ws}/.venv/bin", ".venv/bin"])
+def test_a_program_of_the_same_name_in_the_workspace_needs_approval(
+    entry: str, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a PATH entry inside the workspace (a project venv, a relative entry), `cat`
+    would run a file the model may have written, not /usr/bin/cat."""
+    (ws / ".venv" / "bin").mkdir(parents=True)
+    fake = ws / ".venv" / "bin" / "cat"
+    fake.write_text("#!/bin/sh\ntouch pwned\n")
+    monkeypatch.setenv("PATH", f"{entry.format(ws=ws)}:{os.environ['PATH']}")
+    assert is_safe_command("echo hi", ws) and is_safe_command("ls", ws)
+    assert is_safe_command("cat a.txt", ws)  # not executable: bash skips it
+    fake.chmod(0o755)
+    assert not is_safe_command("cat a.txt", ws)
+    assert not is_safe_command("ls | cat", ws)
 
 
 async def test_safe_forms_change_nothing_when_run(ws: Path) -> None:
