@@ -7,7 +7,12 @@ whose parser cannot be loaded is skipped, never an error.
 
 Python: `ruff check --output-format json` (the project's own ruff configuration
 applies), on disk files in one batch and on open editor buffers through stdin.
-Ruff is looked for next to `sys.executable` first, then on PATH.
+Ruff is looked for next to `sys.executable` first, then on PATH. It runs on the
+host, so the workspace's configuration may not turn the check into a change:
+`--no-fix` overrides a `fix = true` there and `--no-cache` keeps the cache
+folder it may name unwritten; paths come after `--`, each as `./…`.
+
+Only regular files are checked: a FIFO would block the parser and ruff.
 
 Errors follow the package convention (see `opencomposer.tools.files`).
 """
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +237,7 @@ async def _ruff(
         "--output-format",
         "json",
         "--no-cache",
+        "--no-fix",
         "--exit-zero",
         "--quiet",
         *args,
@@ -283,12 +290,10 @@ async def ruff_check(
     found: list[Diagnostic] = []
     for i in range(0, len(disk), RUFF_BATCH):
         found += _ruff_diagnostics(
-            ws, await _ruff(ruff, ws.root, ["--", *disk[i : i + RUFF_BATCH]])
+            ws, await _ruff(ruff, ws.root, ["--", *(f"./{p}" for p in disk[i : i + RUFF_BATCH])])
         )
     for key, text in buffers.items():
-        items = await _ruff(
-            ruff, ws.root, ["--stdin-filename", str(ws.root / key), "-"], stdin=text
-        )
+        items = await _ruff(ruff, ws.root, [f"--stdin-filename={ws.root / key}", "-"], stdin=text)
         found += _ruff_diagnostics(ws, items, stdin_key=key)
     return found
 
@@ -309,11 +314,20 @@ def _targets(ws: Workspace, paths: list[str] | None) -> tuple[list[str], int]:
                 if start == "" or rel.startswith(start + "/"):
                     found[rel] = None
         elif ws.exists(key):
+            if key not in ws.overlay() and not _regular(ws.root / key):
+                raise ToolError(f"{key} is not a regular file; read_lints checks text files")
             found[key] = None
         else:
             raise ToolError(f"path not found: {key}")
     files = sorted(found)
     return files[:LINT_MAX_FILES], max(0, len(files) - LINT_MAX_FILES)
+
+
+def _regular(target: Path) -> bool:
+    try:
+        return stat.S_ISREG(target.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _syntax_pass(ws: Workspace, files: list[str]) -> tuple[list[Diagnostic], set[str], list[str]]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,3 +93,47 @@ async def test_read_lints_without_ruff_still_checks_syntax(
     r = await call(ctx, paths="src")
     assert "src/broken.py:1:" in r.output and "ruff is not installed" in r.output
     assert "F401" not in r.output
+
+
+# -- issue 19: ruff runs on the host, so nothing may turn the check into a change ------
+
+
+async def test_read_lints_never_changes_a_file(ctx: ToolContext) -> None:
+    """Issue 19 item 1: ruff runs unsandboxed and read_lints is auto-approved; a
+    workspace `ruff.toml` with `fix = true` made it rewrite files. Paths named like
+    ruff options (`--fix.py`) stay paths."""
+    root = ctx.workspace.root
+    (root / "ruff.toml").write_text(
+        'fix = true\nunsafe-fixes = true\n[lint]\nselect = ["E9", "F"]\n'
+    )
+    for name in ["--fix.py", "-x.py", "src/unused.py"]:
+        (root / name).write_text("import os\n\nvalue = 1\n")
+    r = await call(ctx, paths="--fix.py -x.py src")
+    assert r.status == "ok", r.output
+    for name in ["--fix.py", "-x.py", "src/unused.py"]:
+        assert f"{name}:1:8: F401 `os` imported but unused (ruff)" in r.output
+        assert (root / name).read_text() == "import os\n\nvalue = 1\n"
+    assert not (root / ".ruff_cache").exists()
+
+
+async def test_read_lints_refuses_a_fifo_and_skips_it_in_folders(ctx: ToolContext) -> None:
+    """Issue 19 item 10: a FIFO named `x.py` blocked the parser and ruff."""
+    fifo = ctx.workspace.root / "src" / "pipe.py"
+    os.mkfifo(fifo)
+    out: list[ToolResult] = []
+
+    def run(raw: dict[str, str]) -> ToolResult:
+        worker = threading.Thread(target=lambda: out.append(asyncio.run(call(ctx, **raw))))
+        worker.daemon = True
+        worker.start()
+        worker.join(30)
+        if worker.is_alive():
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            pytest.fail("read_lints blocked on a FIFO")
+        return out.pop()
+
+    r = run(dict(paths="src/pipe.py"))
+    assert r.status == "error" and "not a regular file" in r.output
+    r = run(dict(paths="src"))
+    assert r.status == "ok" and "src/unused.py:1:8: F401" in r.output and "pipe" not in r.output
