@@ -42,7 +42,9 @@ def _serve(a: argparse.Namespace) -> int:
         if not host or not port.isdigit():
             raise UsageError(f"--tcp wants HOST:PORT, got {a.tcp!r}")
         tcp = (host, int(port))
-    return serve(stdio=tcp is None, tcp=tcp, model=a.model)
+    elif a.allow_remote:
+        raise UsageError("--allow-remote goes with --tcp")
+    return serve(stdio=tcp is None, tcp=tcp, model=a.model, allow_remote=a.allow_remote)
 
 
 def _index(a: argparse.Namespace) -> int:
@@ -83,12 +85,33 @@ def _tasks_mine(a: argparse.Namespace) -> int:
     return 0 if paths else 1
 
 
+def _tasks_build_corpus(a: argparse.Namespace) -> int:
+    from opencomposer.training.corpus import build_corpus, load_manifest
+
+    only = [p.strip() for p in (a.projects or "").split(",") if p.strip()]
+    report = build_corpus(
+        load_manifest(a.manifest), a.out, jobs=a.jobs, only=only, force=a.force, limit=a.limit
+    )
+    return 0 if report["totals"]["tasks"] else 1
+
+
+def _tasks_export(a: argparse.Namespace) -> int:
+    from opencomposer.training.corpus import export
+
+    only = [p.strip() for p in (a.projects or "").split(",") if p.strip()]
+    made = export(a.corpus, a.out, split=a.split, query=a.query, projects=only, limit=a.limit)
+    print(f"{len(made)} task folders in {a.out}")
+    return 0 if made else 1
+
+
 def _bench(a: argparse.Namespace) -> int:
     import json
 
     from opencomposer.training.bench import run_bench
 
-    report = run_bench(a.tasks, model=a.model, concurrency=a.concurrency, out=a.out)
+    report = run_bench(
+        a.tasks, model=a.model, concurrency=a.concurrency, out=a.out, max_turns=a.max_turns
+    )
     summary = {k: v for k, v in report.items() if k != "tasks"}
     print(json.dumps(summary, indent=2))
     return 0
@@ -142,8 +165,17 @@ def parser() -> argparse.ArgumentParser:
     sp = cmd("serve", _serve, "run the language server")
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--stdio", action="store_true", help="speak LSP over stdin/stdout (default)")
-    g.add_argument("--tcp", metavar="HOST:PORT", help="listen on a TCP port")
+    g.add_argument(
+        "--tcp",
+        metavar="HOST:PORT",
+        help="listen on a TCP port; clients must send the token it prints (docs/lsp.md)",
+    )
     sp.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    sp.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="with --tcp: listen on an address other machines can reach (unencrypted)",
+    )
 
     sp = cmd("index", _index, "build or refresh the codebase index")
     sp.add_argument("dir", nargs="?", default=".")
@@ -186,6 +218,24 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("repo")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--limit", type=int, default=20)
+    t = tsub.add_parser(
+        "build-corpus", help="mine every project of a corpus manifest (resumes a stopped build)"
+    )
+    t.set_defaults(fn=_tasks_build_corpus)
+    t.add_argument("--manifest", type=Path, default=Path("configs/corpus.toml"))
+    t.add_argument("--out", type=Path, required=True, help="the corpus folder")
+    t.add_argument("--jobs", type=int, default=1, help="projects built at once")
+    t.add_argument("--projects", help="only these projects (comma-separated names)")
+    t.add_argument("--force", action="store_true", help="rebuild projects already built")
+    t.add_argument("--limit", type=int, help="single-site tasks per project (default: manifest)")
+    t = tsub.add_parser("export", help="write a built corpus's tasks as plain task folders")
+    t.set_defaults(fn=_tasks_export)
+    t.add_argument("corpus", type=Path)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--split", choices=("train", "heldout"), default="")
+    t.add_argument("--query", choices=("mixed", "test", "issue", "oneline"), default="mixed")
+    t.add_argument("--projects", help="only these projects (comma-separated names)")
+    t.add_argument("--limit", type=int)
 
     sp = cmd("bench", _bench, "run a task suite through the environment server")
     sp.add_argument(
@@ -193,6 +243,9 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--model", "-m", default=DEFAULT_MODEL)
     sp.add_argument("--concurrency", type=int, default=4)
+    sp.add_argument(
+        "--max-turns", type=int, help="turn budget of each episode (default: the session's)"
+    )
     sp.add_argument("--out", type=Path, default=Path("bench-out"))
 
     sp = cmd("train", _train, "reinforcement learning (or --sft) on a task suite")

@@ -156,10 +156,25 @@ class Mutation:
 # ---------------------------------------------------------------- running tests
 
 
-def _pytest_cmd(cfg: MineConfig, args: Iterable[str]) -> str:
-    prefix = f"{cfg.env_prefix} " if cfg.env_prefix else ""
+def _pytest_cmd(cfg: MineConfig, args: Iterable[str], *, plugin_dir: Path | None = None) -> str:
+    """`[env] python -m pytest -q …`; with `plugin_dir`, that folder is put first on
+    PYTHONPATH (merged with a PYTHONPATH that `cfg.env_prefix` sets: two assignments
+    in one command line would leave only the last)."""
+    words = shlex.split(cfg.env_prefix)
+    paths = [w.split("=", 1)[1] for w in words if w.startswith("PYTHONPATH=")]
+    words = [w for w in words if not w.startswith("PYTHONPATH=")]
+    if plugin_dir is not None:
+        paths.insert(0, str(plugin_dir))
+    if paths:
+        words.append("PYTHONPATH=" + ":".join(p for p in paths if p))
+    prefix = "".join(f"{shlex.quote(w) if '=' not in w else _quote_assign(w)} " for w in words)
     quoted = " ".join(shlex.quote(a) for a in [*cfg.pytest_args, *args])
     return f"{prefix}python -m pytest -q -p no:cacheprovider {quoted}"
+
+
+def _quote_assign(word: str) -> str:
+    name, _, value = word.partition("=")
+    return f"{name}={shlex.quote(value)}"
 
 
 async def _run_tests(
@@ -179,14 +194,14 @@ async def _run_tests(
     env = (
         "PYTHONDONTWRITEBYTECODE=1 "
         f"OC_MINE_ROOT={shlex.quote(str(root))} OC_MINE_OUT={shlex.quote(str(out))} "
-        f"OC_MINE_TRACE={int(trace)} PYTHONPATH={shlex.quote(str(plugin_dir))}${{PYTHONPATH:+:$PYTHONPATH}} "
+        f"OC_MINE_TRACE={int(trace)} "
     )
     extra = ["-p", "_oc_mine_plugin"]
     if _has_timeout_plugin():
         extra += ["--timeout", str(int(cfg.test_timeout_s))]
     if stop_first:
         extra.append("-x")
-    cmd = env + _pytest_cmd(cfg, extra + args)
+    cmd = env + _pytest_cmd(cfg, extra + args, plugin_dir=plugin_dir)
     sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
     res = await run_command(cmd, cwd=root, sandbox=sandbox)
     try:
@@ -579,7 +594,9 @@ async def baseline(scratch: Path, cfg: MineConfig, plugin_dir: Path, label: str)
     passing = {k for k, v in base["outcomes"].items() if v["outcome"] == "passed"}
     output = base.get("output", "")
     if not passing:
-        raise TaskError(f"{label}: no passing tests to mine from (pytest: {output[-200:]!r})")
+        error = TaskError(f"{label}: no passing tests to mine from (pytest: {output[-200:]!r})")
+        error.output = output  # type: ignore[attr-defined]  # the whole tail, for a reason
+        raise error
     covered: dict[str, dict[int, list[str]]] = {}
     for test, hits in base["hits"].items():
         if test not in passing:

@@ -1,0 +1,1084 @@
+"""A corpus of bug-injection tasks mined from many real projects.
+
+    opencomposer tasks build-corpus --manifest configs/corpus.toml --out DIR [--jobs N] [--projects a,b]
+    opencomposer tasks export DIR --out TASKS [--split heldout] [--query mixed]
+
+The manifest (`configs/corpus.toml`) lists the projects, each a PyPI sdist pinned
+as `name==version` or a git repository at a commit, each in one split (`train` or
+`heldout`: the split is by project, so a held-out project is never trained on).
+
+Building a project (`build_project`), in a scratch folder:
+
+1. Fetch it (`pip download --no-binary :all: --no-deps`, or `git clone` + checkout).
+2. Make its tests runnable the way its own CI would, inside the workspace, so the
+   sandbox at bench time has everything without a network:
+   - `src/` layout: `src` goes on PYTHONPATH;
+   - the project is installed (`pip install --target .deps`, its test extras and the
+     manifest's `deps` with it) so that its dependencies and its own metadata
+     (`importlib.metadata.version(...)`) are there; the installed copy of the
+     project's own code is then deleted (its dist-info stays), so the tests import
+     the source the agent edits, and distributions this interpreter already has
+     (pytest, …) are deleted too. `.deps` goes on PYTHONPATH after `src`;
+   - `addopts` (pytest.ini, setup.cfg, tox.ini, pyproject) that need plugins that
+     are not installed: when the suite cannot run as configured, it is run with
+     `-o addopts= -o required_plugins=` instead.
+   Every test command (the miner's, the verify command, the command the query
+   quotes) carries the same PYTHONPATH and pytest options.
+3. Mine it (`training/mining.py`): single-site bugs of every kind, at most
+   `per_function` per function, then a harder tier of two-site bugs (two bugs that
+   each fail a test on their own, in different functions, together).
+4. Verify every task from what is stored: the snapshot is unpacked once, each
+   task's patch applied (verify must fail) and removed (verify must pass).
+
+A project that cannot be used is skipped with a one-line reason (no tests, tests
+that need the network, install failed, nothing to mutate, …) in the build report.
+
+On disk::
+
+    DIR/report.json, DIR/report.md       the build report: per project yield, time or reason
+    DIR/projects/NAME/project.json       the project: source, split, test environment, stats
+    DIR/projects/NAME/snapshot.tar       its workspace, stored once (pack_dir: deterministic)
+    DIR/projects/NAME/tasks.jsonl        its tasks: patches against the snapshot + queries
+
+A finished project (its `project.json`, for the same manifest entry) is not built
+again, so an interrupted build resumes where it stopped. `export` writes plain
+task folders (`task.toml` + `repo.tar` + `solution.json`) that `bench --tasks`
+and the RL loop read.
+
+Each task has three requests (`queries`): `test` quotes the failing test and its
+error, `issue` describes the misbehaviour without naming the test, `oneline` is a
+one-sentence request naming the test and the function, like the demo's. Export
+picks one per task (`--query mixed`, deterministic per task id) or one for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.training import mining
+from opencomposer.training.env import run_command
+from opencomposer.training.tasks import TaskError, pack_dir, safe_extract, write_task
+
+BUILDER_VERSION = 1  # bump when a rebuild would give different tasks for the same entry
+DEPS_DIR = ".deps"
+SPLITS = ("train", "heldout")
+QUERY_KINDS = ("test", "issue", "oneline")
+NEUTRAL_ADDOPTS = ("-o", "addopts=", "-o", "required_plugins=")
+# Plugins that would break tracing or determinism when a project's venv has them.
+ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly")
+MAX_DEPS_MB = 100
+_NETWORK = re.compile(
+    r"Temporary failure in name resolution|Name or service not known|Network is unreachable"
+    r"|nodename nor servname|Failed to establish a new connection|getaddrinfo failed"
+    r"|No address associated with hostname",
+    re.IGNORECASE,
+)
+
+_PROJECT_KEYS = frozenset(
+    {
+        "name",
+        "pypi",
+        "git",
+        "commit",
+        "split",
+        "tests",
+        "sources",
+        "deps",
+        "extras",
+        "install",
+        "limit",
+        "test_timeout_s",
+    }
+)
+_CORPUS_KEYS = frozenset(
+    {"limit", "per_function", "max_attempts", "two_site", "seed", "test_timeout_s"}
+)
+
+
+class CorpusError(TaskError):
+    """A manifest or corpus that cannot be used; the message is one line."""
+
+
+# ---------------------------------------------------------------- the manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProjectSpec:
+    name: str
+    split: str
+    pypi: str = ""  # name==version
+    git: str = ""  # url or local path
+    commit: str = ""
+    tests: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    deps: tuple[str, ...] = ()  # extra requirements for the tests
+    extras: tuple[str, ...] = ("test", "tests", "testing")
+    install: bool = True
+    limit: int | None = None
+    test_timeout_s: float | None = None
+
+    def key(self, settings: CorpusSettings) -> str:
+        """A hash of everything that decides what this entry builds."""
+        data = json.dumps([BUILDER_VERSION, self.__dict__, settings.__dict__], sort_keys=True)
+        return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusSettings:
+    limit: int = 40  # single-site tasks per project
+    per_function: int = 2
+    max_attempts: int = 0  # mutations to try per project; 0: 5 x limit
+    two_site: float = 0.2  # two-site tasks, as a share of the project's single-site ones
+    seed: int = 0
+    test_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    path: Path
+    sha256: str
+    settings: CorpusSettings
+    projects: list[ProjectSpec]
+
+
+def load_manifest(path: Path | str) -> Manifest:
+    """Read a corpus manifest; CorpusError (one line, naming the entry and key) if malformed."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = tomllib.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CorpusError(f"{path}: malformed TOML: {' '.join(str(e).split())}") from None
+    unknown = sorted(set(data) - {"corpus", "project"})
+    if unknown:
+        raise CorpusError(f"{path}: unknown section {', '.join(unknown)}")
+    corpus = data.get("corpus", {})
+    if not isinstance(corpus, dict):
+        raise CorpusError(f"{path}: [corpus] must be a table")
+    bad = sorted(set(corpus) - _CORPUS_KEYS)
+    if bad:
+        raise CorpusError(f"{path}: [corpus]: unknown key {', '.join(bad)}")
+    settings_kw: dict[str, Any] = {}
+    for key, value in corpus.items():
+        kind = float if key in ("two_site", "test_timeout_s") else int
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise CorpusError(f"{path}: [corpus] {key} must be a non-negative number")
+        settings_kw[key] = kind(value)
+    projects_raw = data.get("project", [])
+    if not isinstance(projects_raw, list) or not projects_raw:
+        raise CorpusError(f"{path}: no [[project]] entries")
+    projects: list[ProjectSpec] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(projects_raw, 1):
+        spec = _project(entry, f"{path}: project {i}")
+        if spec.name in seen:
+            raise CorpusError(f"{path}: project {i}: name {spec.name!r} appears twice")
+        seen.add(spec.name)
+        projects.append(spec)
+    return Manifest(
+        path=path,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        settings=CorpusSettings(**settings_kw),
+        projects=projects,
+    )
+
+
+def _project(entry: Any, where: str) -> ProjectSpec:
+    if not isinstance(entry, dict):
+        raise CorpusError(f"{where}: must be a table")
+    label = entry.get("name") or entry.get("pypi") or entry.get("git")
+    if isinstance(label, str):
+        where = f"{where} ({label})"
+    bad = sorted(set(entry) - _PROJECT_KEYS)
+    if bad:
+        raise CorpusError(f"{where}: unknown key {', '.join(bad)}")
+
+    def string(key: str) -> str:
+        value = entry.get(key, "")
+        if not isinstance(value, str):
+            raise CorpusError(f"{where}: {key} must be a string")
+        return value.strip()
+
+    def strings(key: str, default: tuple[str, ...] = ()) -> tuple[str, ...]:
+        value = entry.get(key, list(default))
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise CorpusError(f"{where}: {key} must be a list of strings")
+        return tuple(value)
+
+    pypi, git, commit = string("pypi"), string("git"), string("commit")
+    if bool(pypi) == bool(git):
+        raise CorpusError(f"{where}: give exactly one of pypi and git")
+    if pypi and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+", pypi):
+        raise CorpusError(f"{where}: pypi must pin one version, as name==version, got {pypi!r}")
+    if git and not commit:
+        raise CorpusError(f"{where}: git needs commit (a pinned revision)")
+    if commit and not git:
+        raise CorpusError(f"{where}: commit is only for git projects")
+    split = string("split")
+    if split not in SPLITS:
+        raise CorpusError(f"{where}: split must be train or heldout, got {split!r}")
+    name = string("name") or (
+        pypi.split("==")[0] if pypi else Path(git.rstrip("/")).name.removesuffix(".git")
+    )
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise CorpusError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-'")
+    for key in ("tests", "sources"):
+        for rel in strings(key):
+            if rel.startswith("/") or ".." in Path(rel).parts:
+                raise CorpusError(f"{where}: {key} must be paths inside the project")
+    install = entry.get("install", True)
+    if not isinstance(install, bool):
+        raise CorpusError(f"{where}: install must be true or false")
+    limit = entry.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise CorpusError(f"{where}: limit must be a positive integer")
+    timeout = entry.get("test_timeout_s")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+    ):
+        raise CorpusError(f"{where}: test_timeout_s must be a positive number")
+    return ProjectSpec(
+        name=name,
+        split=split,
+        pypi=pypi,
+        git=git,
+        commit=commit,
+        tests=strings("tests"),
+        sources=strings("sources"),
+        deps=strings("deps"),
+        extras=strings("extras", ProjectSpec.extras),
+        install=install,
+        limit=limit,
+        test_timeout_s=None if timeout is None else float(timeout),
+    )
+
+
+# ---------------------------------------------------------------- fetching
+
+
+class Skip(Exception):
+    """The project cannot be used; the message is the build report's one-line reason."""
+
+
+def fetch(spec: ProjectSpec, dest: Path) -> Path:
+    """The project's source tree, unpacked under `dest`."""
+    if spec.pypi:
+        try:
+            return mining.fetch_sdist(spec.pypi, dest)
+        except TaskError as e:
+            raise Skip(f"download failed: {e}") from None
+        except subprocess.TimeoutExpired:
+            raise Skip("download failed: pip download timed out") from None
+    root = dest / "git"
+    source = spec.git
+    if Path(source).expanduser().is_dir():
+        source = str(Path(source).expanduser().resolve())
+    for cmd in (
+        ["git", "clone", "--quiet", "--no-checkout", source, str(root)],
+        ["git", "-C", str(root), "checkout", "--quiet", spec.commit],
+    ):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Skip(f"git failed: {e}") from None
+        if proc.returncode != 0:
+            raise Skip(f"git {cmd[1] if cmd[1] != '-C' else cmd[3]} failed: {_line(proc.stderr)}")
+    shutil.rmtree(root / ".git", ignore_errors=True)
+    return root
+
+
+def sample_fingerprints() -> set[str]:
+    """Hashes of the demo's sample repository's files: the corpus must not contain it."""
+    sample = mining.project_root() / "examples" / "sample_repo"
+    return {
+        hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sample.rglob("*.py")
+        if p.is_file() and p.stat().st_size > 0 and p.name != "__init__.py"
+    }
+
+
+def _check_not_sample(root: Path) -> None:
+    prints = sample_fingerprints()
+    if not prints:
+        return
+    for p in root.rglob("*.py"):
+        if p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest() in prints:
+            raise Skip(
+                f"{p.relative_to(root)} is the demo's sample repository's; "
+                "the corpus must never contain it"
+            )
+
+
+# ---------------------------------------------------------------- the test environment
+
+
+@dataclass(kw_only=True)
+class TestEnv:
+    """How the project's tests run, inside its workspace."""
+
+    pythonpath: list[str] = field(default_factory=list)  # workspace-relative
+    pytest_args: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def env_prefix(self) -> str:
+        parts = ["PYTHONDONTWRITEBYTECODE=1"]
+        if self.pythonpath:
+            parts.append("PYTHONPATH=" + ":".join(self.pythonpath))
+        return " ".join(parts)
+
+    def config(self, spec: ProjectSpec, settings: CorpusSettings, **kw: Any) -> mining.MineConfig:
+        return mining.MineConfig(
+            tests=spec.tests,
+            sources=spec.sources,
+            env_prefix=self.env_prefix,
+            pytest_args=tuple(self.pytest_args),
+            test_timeout_s=spec.test_timeout_s or settings.test_timeout_s,
+            per_function=settings.per_function,
+            source=_source(spec),
+            **kw,
+        )
+
+    def command(self, args: Iterable[str]) -> str:
+        """The command a person would type to run these tests (no -q, no plugin guards)."""
+        path = "PYTHONPATH=" + ":".join(self.pythonpath) + " " if self.pythonpath else ""
+        needed = self.pytest_args[len(ALWAYS_ARGS) :]
+        quoted = " ".join(shlex.quote(a) for a in [*needed, *args])
+        return f"{path}python -m pytest {quoted}".rstrip()
+
+
+def _source(spec: ProjectSpec) -> str:
+    return f"pypi:{spec.pypi}" if spec.pypi else f"git:{spec.git}@{spec.commit[:12]}"
+
+
+def _src_layout(root: Path) -> bool:
+    src = root / "src"
+    return src.is_dir() and any(
+        (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py" for p in src.iterdir()
+    )
+
+
+def install_deps(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
+    """`pip install --target .deps` the project with its test extras and the manifest's
+    deps, then delete the installed copy of the project's own code and anything this
+    interpreter already provides. A failure is a note; the tests may still run."""
+    buildable = any((root / f).is_file() for f in ("pyproject.toml", "setup.py", "setup.cfg"))
+    if not spec.install or not buildable:
+        return
+    target = root / DEPS_DIR
+    extras = f"[{','.join(spec.extras)}]" if spec.extras else ""
+    wanted = [f"{root}{extras}", *spec.deps]
+    groups = _dependency_groups(root)
+    error = ""
+    # Without build isolation first (a setuptools project then needs no download of
+    # its build backend); with it when the backend is not installed here. A test
+    # dependency group that cannot be resolved is dropped on the last try.
+    tries = [(["--no-build-isolation"], groups), ([], groups)] + ([([], [])] if groups else [])
+    for flags, extra in tries:
+        shutil.rmtree(target, ignore_errors=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-compile",
+            "--no-warn-script-location",
+            *flags,
+            "--target",
+            str(target),
+            *wanted,
+            *extra,
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            error = "install timed out"
+            continue
+        if proc.returncode == 0:
+            error = ""
+            break
+        error = f"install failed: {_line(proc.stderr)[-200:]}"
+    if error:
+        env.notes.append(error)
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    _prune_deps(target, _own_dist_names(target, root))
+    if sum(f.stat().st_size for f in target.rglob("*") if f.is_file()) > MAX_DEPS_MB << 20:
+        raise Skip(f"its dependencies take more than {MAX_DEPS_MB} MB")
+    (target / ".gitignore").write_text("*\n")  # installed code: not the agent's to search
+    env.pythonpath.append(DEPS_DIR)
+    env.notes.append("installed into .deps")
+
+
+def _dependency_groups(root: Path) -> list[str]:
+    """Requirements of the pyproject's test dependency groups (PEP 735), plain strings only."""
+    try:
+        data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return []
+    groups = data.get("dependency-groups", {})
+    if not isinstance(groups, dict):
+        return []
+    found: list[str] = []
+    for name in ("test", "tests", "testing"):
+        found += [r for r in groups.get(name, []) if isinstance(r, str)]
+    return found
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _own_dist_names(target: Path, root: Path) -> set[str]:
+    """The project's own distribution name(s) among what pip installed."""
+    names = set()
+    for meta in target.glob("*.dist-info/METADATA"):
+        text = meta.read_text(encoding="utf-8", errors="replace")
+        m = re.search(r"^Name:\s*(\S+)", text, re.MULTILINE)
+        direct = meta.parent / "direct_url.json"
+        if m and direct.exists() and str(root) in direct.read_text(errors="replace"):
+            names.add(_norm(m.group(1)))  # installed from the project's own folder
+    return names
+
+
+def _prune_deps(target: Path, own: set[str]) -> None:
+    """Delete the project's own installed code (keeping its dist-info, for its
+    metadata) and distributions this interpreter already has."""
+    import importlib.metadata as md
+
+    have = {_norm(d.metadata["Name"] or "") for d in md.distributions()}
+    for info in sorted(target.glob("*.dist-info")):
+        meta = info / "METADATA"
+        text = meta.read_text(encoding="utf-8", errors="replace") if meta.exists() else ""
+        m = re.search(r"^Name:\s*(\S+)", text, re.MULTILINE)
+        name = _norm(m.group(1)) if m else ""
+        if name in own or name in have:
+            record = info / "RECORD"
+            for line in record.read_text(errors="replace").splitlines() if record.exists() else []:
+                rel = line.split(",")[0]
+                p = (target / rel).resolve()
+                if rel and target.resolve() in p.parents and info.resolve() not in p.parents:
+                    p.unlink(missing_ok=True)
+            if name in have:
+                shutil.rmtree(info, ignore_errors=True)
+    for d in sorted(target.rglob("*"), key=lambda p: -len(p.parts)):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+    shutil.rmtree(target / "bin", ignore_errors=True)
+
+
+# ---------------------------------------------------------------- building one project
+
+
+@dataclass(kw_only=True)
+class Progress:
+    name: str
+    say: Callable[[str], None]
+    every_s: float = 30.0
+    _last: float = 0.0
+
+    def __call__(self, text: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every_s:
+            self._last = now
+            self.say(f"  {self.name}: {text}")
+
+
+def build_project(
+    spec: ProjectSpec,
+    settings: CorpusSettings,
+    out: Path,
+    *,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build one project into `out/projects/NAME/` (atomically) and return its record."""
+    t0 = time.monotonic()
+    final = out / "projects" / spec.name
+    staging = out / "projects" / f".{spec.name}.building"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    progress = Progress(
+        name=spec.name, say=say or (lambda s: print(s, file=sys.stderr, flush=True))
+    )
+    record: dict[str, Any] = {
+        "name": spec.name,
+        "split": spec.split,
+        "source": _source(spec),
+        "key": spec.key(settings),
+        "builder_version": BUILDER_VERSION,
+    }
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"oc-corpus-{spec.name}-") as tmp:
+            stats = asyncio.run(_build(spec, settings, Path(tmp), staging, progress))
+        record.update(status="built", **stats)
+    except Skip as e:
+        record.update(status="skipped", reason=str(e), tasks=0)
+    except Exception as e:  # a builder bug or an environment failure: reported, retried next run
+        record.update(status="error", reason=_line(f"{type(e).__name__}: {e}"), tasks=0)
+    record["seconds"] = round(time.monotonic() - t0, 1)
+    (staging / "project.json").write_text(json.dumps(record, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    return record
+
+
+async def _build(
+    spec: ProjectSpec, settings: CorpusSettings, tmp: Path, staging: Path, progress: Progress
+) -> dict[str, Any]:
+    root = fetch(spec, tmp / "fetch")
+    work = tmp / "work"
+    shutil.copytree(
+        root, work, symlinks=True, ignore=shutil.ignore_patterns(*mining.SKIP_NAMES, "*.pyc")
+    )
+    _check_not_sample(work)
+    if not (spec.tests or mining.discover_tests(work)):
+        raise Skip("no tests in the source (no test_*.py or *_test.py)")
+    env = TestEnv(pytest_args=list(ALWAYS_ARGS))
+    if _src_layout(work):
+        env.pythonpath.append("src")
+        env.notes.append("src layout")
+    progress("installing", force=True)
+    await asyncio.to_thread(install_deps, work, spec, env)
+
+    limit = spec.limit or settings.limit
+    max_attempts = settings.max_attempts or 5 * limit
+    work_tmp = tmp / "mine"
+    work_tmp.mkdir()
+    cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
+    scratch, plugin_dir = mining.setup_scratch(work, work_tmp, cfg)
+    progress("running its tests", force=True)
+    base = await _baseline(scratch, cfg, plugin_dir, spec, env)
+    cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
+    found = mining.candidates(scratch, cfg, base)
+    if not found:
+        raise Skip("no function covered by a passing test to mutate")
+    ordered = mining._interleave(found, random.Random(settings.seed))
+    trials: list[mining.Trial] = []
+    per_function: dict[tuple[str, str], int] = {}
+    attempts = 0
+    for m in ordered:
+        if len(trials) >= limit or attempts >= max_attempts:
+            break
+        key = (m.path, m.function)
+        if per_function.get(key, 0) >= settings.per_function:
+            continue
+        attempts += 1
+        t = await mining.trial(scratch, [m], cfg, plugin_dir, base.failing_files)
+        if t is not None:
+            trials.append(t)
+            per_function[key] = per_function.get(key, 0) + 1
+        progress(f"{attempts} mutations tried, {len(trials)} bugs caught")
+    pairs = _pairs(trials, round(len(trials) * settings.two_site), settings.seed)
+    doubles = 0
+    for a, b in pairs:
+        t = await mining.trial(
+            scratch, a.mutations + b.mutations, cfg, plugin_dir, base.failing_files
+        )
+        if t is not None:
+            trials.append(t)
+            doubles += 1
+    if not trials:
+        raise Skip(f"no mutation made a test fail ({attempts} tried)")
+
+    snapshot = pack_dir(work)
+    (staging / "snapshot.tar").write_bytes(snapshot)
+    progress(f"verifying {len(trials)} tasks", force=True)
+    rows = [_task_row(spec, env, t, cfg) for t in trials]
+    verified = await _verify_rows(rows, staging / "snapshot.tar", tmp / "verify", cfg)
+    with (staging / "tasks.jsonl").open("w") as fh:
+        for row in verified:
+            fh.write(json.dumps(row) + "\n")
+    kinds: dict[str, int] = {}
+    for row in verified:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    if not verified:
+        raise Skip(f"none of {len(rows)} caught bugs verified from the snapshot")
+    return {
+        "tasks": len(verified),
+        "single": sum(1 for r in verified if len(r["edits"]) == 1),
+        "two_site": sum(1 for r in verified if len(r["edits"]) > 1),
+        "candidates": len(found),
+        "attempts": attempts + len(pairs),
+        "unverified": len(rows) - len(verified),
+        "passing_tests": len(base.passing),
+        "kinds": dict(sorted(kinds.items())),
+        "env": {
+            "pythonpath": env.pythonpath,
+            "pytest_args": env.pytest_args,
+            "verify_prefix": env.env_prefix,
+        },
+        "notes": env.notes,
+        "snapshot_bytes": len(snapshot),
+    }
+
+
+async def _baseline(
+    scratch: Path,
+    cfg: mining.MineConfig,
+    plugin_dir: Path,
+    spec: ProjectSpec,
+    env: TestEnv,
+) -> mining.Baseline:
+    """The suite's first run; again with foreign addopts neutralised when it cannot run
+    as configured. Skip (with the reason) when nothing passes either way."""
+    try:
+        return await mining.baseline(scratch, cfg, plugin_dir, spec.name)
+    except TaskError as e:
+        first = f"{e} {getattr(e, 'output', '')}"
+    neutral = mining.MineConfig(
+        **{**cfg.__dict__, "pytest_args": (*cfg.pytest_args, *NEUTRAL_ADDOPTS)}
+    )
+    try:
+        base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
+    except TaskError as e:
+        raise Skip(_why_no_tests(f"{first} {e} {getattr(e, 'output', '')}", env)) from None
+    env.pytest_args += list(NEUTRAL_ADDOPTS)
+    env.notes.append("addopts neutralised")
+    return base
+
+
+def _why_no_tests(output: str, env: TestEnv) -> str:
+    if _NETWORK.search(output):
+        return "tests need the network"
+    failed_install = next((n for n in env.notes if n.startswith("install failed")), "")
+    if failed_install:
+        return failed_install
+    m = re.search(r"(ModuleNotFoundError: No module named '[^']+')", output)
+    if m:
+        return f"no passing tests: {m.group(1)}"
+    if "no test files found" in output:
+        return "no tests in the source"
+    tail = output.split("(pytest:", 1)[-1]
+    return f"no passing tests: {_line(tail)[-160:]}"
+
+
+def _pairs(
+    trials: list[mining.Trial], n: int, seed: int
+) -> list[tuple[mining.Trial, mining.Trial]]:
+    """Up to `n` pairs of caught bugs in different functions (same file first)."""
+    if n <= 0:
+        return []
+    rng = random.Random(seed + 1)
+    singles = [t for t in trials if len(t.mutations) == 1]
+    options = [
+        (a, b)
+        for i, a in enumerate(singles)
+        for b in singles[i + 1 :]
+        if (a.mutations[0].path, a.mutations[0].function)
+        != (b.mutations[0].path, b.mutations[0].function)
+    ]
+    rng.shuffle(options)
+    options.sort(key=lambda p: p[0].mutations[0].path != p[1].mutations[0].path)
+    used: set[int] = set()
+    chosen = []
+    for a, b in options:
+        if id(a) in used or id(b) in used:
+            continue
+        used |= {id(a), id(b)}
+        chosen.append((a, b))
+        if len(chosen) >= n:
+            break
+    return chosen
+
+
+# ---------------------------------------------------------------- tasks as patches
+
+
+def _task_row(
+    spec: ProjectSpec, env: TestEnv, t: mining.Trial, cfg: mining.MineConfig
+) -> dict[str, Any]:
+    ms = sorted(t.mutations, key=lambda m: (m.path, m.start))
+    digest = hashlib.sha1(
+        "|".join(f"{m.path}:{m.start}:{m.end}:{m.new}" for m in ms).encode()
+    ).hexdigest()[:8]
+    task_id = f"{spec.name}-{mining._slug(ms[0].function)}-{digest}"
+    test, error = t.first
+    kind = ms[0].kind if len(ms) == 1 else "two-site: " + " + ".join(m.kind for m in ms)
+    return {
+        "id": task_id,
+        "kind": kind,
+        "functions": [m.function for m in ms],
+        "edits": [
+            {"path": m.path, "offset": m.start, "old": m.old, "new": m.new, "line": m.line}
+            for m in ms
+        ],
+        "verify": mining._pytest_cmd(cfg, t.files),
+        "protect": t.files,
+        "failing": sorted(t.failed),
+        "queries": queries(spec, env, ms, test, error, len(t.failed)),
+        "command_timeout_s": cfg.test_timeout_s,
+    }
+
+
+def queries(
+    spec: ProjectSpec,
+    env: TestEnv,
+    mutations: list[mining.Mutation],
+    test: str,
+    error: str,
+    n_failed: int,
+) -> dict[str, str]:
+    """The three requests for one task (see the module doc)."""
+    excerpt = _excerpt(error)
+    more = f" ({n_failed} tests fail in all)" if n_failed > 1 else ""
+    test_q = (
+        f"`{test}` started failing{more}. `{env.command([test])}` gives:\n\n"
+        f"```\n{excerpt}\n```\n\n"
+        "The test is right; find the bug in the code and fix it."
+    )
+    file, _, name = test.partition("::")
+    scrubbed = "\n".join(
+        ln for ln in excerpt.splitlines() if file not in ln and name.split("[")[0] not in ln
+    )
+    public = [
+        m.function for m in mutations if not any(p.startswith("_") for p in m.function.split("."))
+    ]
+    subject = f"`{public[0]}` in {spec.name}" if public else spec.name
+    issue_q = (
+        f"{subject} gives wrong results since a recent change. What I see:\n\n"
+        f"```\n{scrubbed or excerpt}\n```\n\n"
+        "Please find the cause and fix it, so the project's own test suite passes again."
+    )
+    where = " and ".join(f"{m.function} in {m.path}" for m in mutations)
+    short = name.split("[")[0] or test
+    oneline_q = f"The test {short} fails. Fix {where} so that it passes."
+    return {"test": test_q, "issue": issue_q, "oneline": oneline_q}
+
+
+def _excerpt(error: str) -> str:
+    lines = [ln for ln in error.splitlines() if ln.startswith("E ")]
+    if not lines:
+        lines = [ln for ln in error.strip().splitlines() if ln.strip()][-3:]
+    return "\n".join(ln if len(ln) <= 200 else ln[:200] + " …" for ln in lines[:6])
+
+
+def apply_edits(data: bytes, edits: list[dict[str, Any]]) -> bytes:
+    """Apply one file's edits (`offset` into the snapshot's bytes, `old` -> `new`), from
+    the end so the offsets stay valid. CorpusError when the snapshot does not match."""
+    for e in sorted(edits, key=lambda e: -e["offset"]):
+        old, new, start = e["old"].encode(), e["new"].encode(), e["offset"]
+        if data[start : start + len(old)] != old:
+            raise CorpusError(f"{e['path']}: patch does not match the snapshot at byte {start}")
+        data = data[:start] + new + data[start + len(old) :]
+    return data
+
+
+def patched_tar(snapshot: Path, edits: list[dict[str, Any]]) -> bytes:
+    """The snapshot's tar with the edits applied: a task's `repo.tar`, deterministic."""
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for e in edits:
+        by_path.setdefault(e["path"], []).append(e)
+    buf = io.BytesIO()
+    with (
+        tarfile.open(snapshot) as src,
+        tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
+        for member in src.getmembers():
+            if member.isreg():
+                data = src.extractfile(member).read()  # type: ignore[union-attr]
+                if member.name in by_path:
+                    data = apply_edits(data, by_path.pop(member.name))
+                    member.size = len(data)
+                dst.addfile(member, io.BytesIO(data))
+            else:
+                dst.addfile(member)
+    if by_path:
+        raise CorpusError(f"patch names files not in the snapshot: {', '.join(sorted(by_path))}")
+    return buf.getvalue()
+
+
+async def _verify_rows(
+    rows: list[dict[str, Any]], snapshot: Path, dest: Path, cfg: mining.MineConfig
+) -> list[dict[str, Any]]:
+    """Keep the rows whose verify fails with the patch applied to the snapshot and
+    passes on the snapshot itself."""
+    safe_extract(snapshot, dest)
+    sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
+    clean: dict[str, bool] = {}
+    kept = []
+    for row in rows:
+        if row["verify"] not in clean:
+            res = await run_command(row["verify"], cwd=dest, sandbox=sandbox)
+            clean[row["verify"]] = res.exit_code == 0
+        if not clean[row["verify"]]:
+            continue
+        originals: dict[Path, bytes] = {}
+        try:
+            for e in row["edits"]:
+                p = dest / e["path"]
+                originals.setdefault(p, p.read_bytes())
+            for p in originals:
+                rel = p.relative_to(dest).as_posix()
+                p.write_bytes(
+                    apply_edits(originals[p], [e for e in row["edits"] if e["path"] == rel])
+                )
+            res = await run_command(row["verify"], cwd=dest, sandbox=sandbox)
+        finally:
+            for p, data in originals.items():
+                p.write_bytes(data)
+        if res.exit_code != 0 and not res.timed_out:
+            kept.append(row)
+    return kept
+
+
+# ---------------------------------------------------------------- the whole corpus
+
+
+def build_corpus(
+    manifest: Manifest,
+    out: Path | str,
+    *,
+    jobs: int = 1,
+    only: Iterable[str] = (),
+    force: bool = False,
+    limit: int | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build every project of the manifest that is not built yet (in `jobs` processes),
+    then write the build report. Returns the report. `limit` overrides the manifest's
+    tasks per project (a quick trial build)."""
+    out = Path(out).expanduser().resolve()
+    say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+    only = [o for o in only if o]
+    names = {p.name for p in manifest.projects}
+    unknown = sorted(set(only) - names)
+    if unknown:
+        raise CorpusError(f"not in {manifest.path}: {', '.join(unknown)}")
+    if jobs < 1:
+        raise CorpusError(f"--jobs must be at least 1, got {jobs}")
+    settings = manifest.settings
+    if limit is not None:
+        if limit < 1:
+            raise CorpusError(f"--limit must be at least 1, got {limit}")
+        settings = replace(settings, limit=limit)
+    specs = [p for p in manifest.projects if not only or p.name in only]
+    (out / "projects").mkdir(parents=True, exist_ok=True)
+    todo = []
+    for spec in specs:
+        done = _read_record(out / "projects" / spec.name)
+        key = spec.key(settings)
+        if done and not force and done.get("key") == key and done["status"] != "error":
+            continue
+        todo.append(spec)
+    t0 = time.monotonic()
+    say(
+        f"corpus: {len(specs) - len(todo)} of {len(specs)} projects already built; building {len(todo)} with {jobs} job(s)"
+    )
+    finished = 0
+
+    def report_one(rec: dict[str, Any]) -> None:
+        nonlocal finished
+        finished += 1
+        what = (
+            f"{rec['tasks']} tasks ({rec.get('single', 0)} single, {rec.get('two_site', 0)} two-site)"
+            if rec["status"] == "built"
+            else f"{rec['status']}: {rec.get('reason', '')}"
+        )
+        say(f"[{finished}/{len(todo)}] {rec['name']}: {what} in {rec['seconds']:.0f} s")
+
+    if jobs == 1 or len(todo) <= 1:
+        for spec in todo:
+            report_one(build_project(spec, settings, out, say=say))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(build_project, spec, settings, out): spec for spec in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                spec = futures[fut]
+                try:
+                    rec = fut.result()
+                except Exception as e:  # the worker process died
+                    rec = {
+                        "name": spec.name,
+                        "status": "error",
+                        "tasks": 0,
+                        "seconds": 0.0,
+                        "reason": _line(f"{type(e).__name__}: {e}"),
+                    }
+                report_one(rec)
+    report = write_report(manifest, out, run_seconds=time.monotonic() - t0)
+    say(
+        f"corpus: {report['totals']['tasks']} tasks from {report['totals']['projects_built']} "
+        f"projects ({report['totals']['heldout_tasks']} held out) → {out / 'report.md'}"
+    )
+    return report
+
+
+def _read_record(project_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((project_dir / "project.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_report(manifest: Manifest, out: Path, *, run_seconds: float = 0.0) -> dict[str, Any]:
+    rows = []
+    for spec in manifest.projects:
+        rec = _read_record(out / "projects" / spec.name)
+        if rec is None:
+            rec = {"name": spec.name, "split": spec.split, "status": "not built", "tasks": 0}
+        rows.append(rec)
+    built = [r for r in rows if r["status"] == "built"]
+    report = {
+        "manifest": str(manifest.path),
+        "manifest_sha256": manifest.sha256,
+        "builder_version": BUILDER_VERSION,
+        "run_seconds": round(run_seconds, 1),
+        "totals": {
+            "tasks": sum(r["tasks"] for r in built),
+            "train_tasks": sum(r["tasks"] for r in built if r["split"] == "train"),
+            "heldout_tasks": sum(r["tasks"] for r in built if r["split"] == "heldout"),
+            "projects": len(rows),
+            "projects_built": len(built),
+            "heldout_projects_built": sum(1 for r in built if r["split"] == "heldout"),
+            "build_seconds": round(sum(r.get("seconds", 0.0) for r in rows), 1),
+        },
+        "projects": rows,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [
+        f"# Corpus build: {manifest.path.name}",
+        "",
+        f"{report['totals']['tasks']} tasks from {len(built)} of {len(rows)} projects "
+        f"({report['totals']['heldout_tasks']} held out); building took "
+        f"{report['totals']['build_seconds']:.0f} s of project time.",
+        "",
+        "| project | split | status | tasks | two-site | tried | seconds | notes / reason |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = r.get("reason") or ", ".join(r.get("notes", []))
+        lines.append(
+            f"| {r['name']} | {r.get('split', '')} | {r['status']} | {r['tasks']} | "
+            f"{r.get('two_site', 0)} | {r.get('attempts', 0)} | {r.get('seconds', 0):.0f} | "
+            f"{note.replace('|', '/')} |"
+        )
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def load_rows(corpus: Path | str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(project record, task row) for every task of a built corpus."""
+    corpus = Path(corpus).expanduser()
+    projects = corpus / "projects"
+    if not projects.is_dir():
+        raise CorpusError(f"{corpus}: not a corpus (no projects/ folder)")
+    found = []
+    for d in sorted(p for p in projects.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        rec = _read_record(d)
+        if not rec or rec.get("status") != "built":
+            continue
+        with (d / "tasks.jsonl").open() as fh:
+            for line in fh:
+                if line.strip():
+                    found.append((rec, json.loads(line)))
+    return found
+
+
+def export(
+    corpus: Path | str,
+    out: Path | str,
+    *,
+    split: str = "",
+    query: str = "mixed",
+    projects: Iterable[str] = (),
+    limit: int | None = None,
+) -> list[Path]:
+    """Write the corpus's tasks as plain task folders under `out`; returns them."""
+    if split and split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r}: use train or heldout")
+    if query != "mixed" and query not in QUERY_KINDS:
+        raise CorpusError(f"unknown query kind {query!r}: use mixed, {', '.join(QUERY_KINDS)}")
+    corpus, out = Path(corpus).expanduser(), Path(out).expanduser()
+    only = set(projects)
+    made: list[Path] = []
+    for rec, row in load_rows(corpus):
+        if (split and rec["split"] != split) or (only and rec["name"] not in only):
+            continue
+        if limit is not None and len(made) >= limit:
+            break
+        kind = query
+        if kind == "mixed":
+            kind = QUERY_KINDS[int(hashlib.sha1(row["id"].encode()).hexdigest(), 16) % 3]
+        snapshot = corpus / "projects" / rec["name"] / "snapshot.tar"
+        dest = write_task(
+            out / row["id"],
+            query=row["queries"][kind],
+            verify=row["verify"],
+            repo_tar=patched_tar(snapshot, row["edits"]),
+            timeout_s=900,
+            command_timeout_s=row.get("command_timeout_s", 120.0),
+            protect=row["protect"],
+            split=rec["split"],
+            source=f"corpus:{rec['source']}",
+        )
+        where = " and ".join(
+            f"`{f}` in {e['path']}" for f, e in zip(row["functions"], row["edits"], strict=False)
+        )
+        solution = {
+            "answer": f"Fixed the bug in {where}; the failing tests pass again.",
+            "kind": row["kind"],
+            "query_kind": kind,
+            "functions": row["functions"],
+            "edits": _solution_edits(snapshot, row["edits"]),
+        }
+        (dest / "solution.json").write_text(json.dumps(solution, indent=1) + "\n")
+        made.append(dest)
+    return made
+
+
+def _solution_edits(snapshot: Path, edits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference fix as `edit_file` would make it: whole lines, broken -> original."""
+    with tarfile.open(snapshot) as tar:
+        originals = {
+            e["path"]: tar.extractfile(e["path"]).read()  # type: ignore[union-attr]
+            for e in edits
+        }
+    fixes = []
+    for path, original in originals.items():
+        mine = sorted((e for e in edits if e["path"] == path), key=lambda e: e["offset"])
+        broken = apply_edits(original, mine)
+        shift = 0
+        for e in mine:
+            start = e["offset"] + shift
+            fixes.append(
+                {
+                    "path": path,
+                    "line": e["line"],
+                    "old": mining._lines_around(broken, start, start + len(e["new"].encode())),
+                    "new": mining._lines_around(
+                        original, e["offset"], e["offset"] + len(e["old"].encode())
+                    ),
+                }
+            )
+            shift += len(e["new"].encode()) - len(e["old"].encode())
+    return fixes
+
+
+def _line(text: str) -> str:
+    return " ".join(str(text).split())[:300]
