@@ -35,8 +35,8 @@ cut: a partial read of a key file, output split across tool results, a numbered
     without digits (`token = self.token`, `secret = None`), a number, `$VAR`,
     `{{ template }}` or `<placeholder>`. A shell-style `NAME=value` line with an
     upper-case secret name is redacted whatever its value, except `$VAR` and calls.
-- **`.env` files**: the values found in the workspace's `.env` and `.env.*`
-  files at any depth (bounded walk) are replaced wherever they appear, and
+- **`.env` files**: the values found in the workspace's `.env`, `.env.*` and
+  `*.env` files at any depth (bounded walk) are replaced wherever they appear, and
   `Redactor.env_file` redacts every `KEY=value` value of a text known to come
   from such a file (the trace store applies it to a tool result when the call
   names a `.env` file).
@@ -136,7 +136,8 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _CODE_WORD = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]\w*)*$")
 _NUMBER = re.compile(r"^[+\-]?\d+(?:\.\d+)?$")
 
-ENV_FILE = re.compile(r"(?:^|[/\\\s\"'=:])\.env(?:\.[\w.\-]+)?(?=$|[\s\"',;:)])")
+# `.env`, `.env.local`, `prod.env`: a dotenv file's name anywhere in an argument
+ENV_FILE = re.compile(r"(?:^|[/\\\s\"'=:])[\w\-]*\.env(?:\.[\w.\-]+)?(?=$|[\s\"',;:)|>])")
 ENV_WALK_MAX_DIRS = 5_000
 ENV_WALK_MAX_FILES = 50
 _SKIP_DIRS = frozenset(
@@ -393,7 +394,7 @@ def _env_files(root: Path) -> list[Path]:
                 if entry.is_dir(follow_symlinks=False):
                     if entry.name not in _SKIP_DIRS:
                         queue.append(Path(entry.path))
-                elif entry.name == ".env" or entry.name.startswith(".env."):
+                elif ENV_FILE.fullmatch(entry.name):
                     found.append(Path(entry.path))
                     if len(found) >= ENV_WALK_MAX_FILES:
                         return found
