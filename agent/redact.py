@@ -89,9 +89,10 @@ _TOKENS = [
 
 _PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----")
 _PEM_END = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----")
-# What may stand before a line's content: a read_file number, a grep location, a
-# diff sign, a quote. Kept as it is when the content is redacted.
-_PREFIX = r"(?:[ \t]*\d+\t|[^\s:]+:\d+[:\-])?[ \t]*[+\->]?[ \t]*[\"']?"
+# What may stand before a line's content: a read_file or `cat -n` number, a grep
+# location (`path:` or `path:12:`), a diff sign, a quote. Kept when the content
+# is redacted.
+_PREFIX = r"(?:[ \t]*\d+\t|[^\s:]+:(?:\d+[:\-])?)?[ \t]*[+\-<>]?[ \t]*[\"']?"
 _PEM_HEADER_LINE = re.compile(rf"^({_PREFIX})-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----")
 # The inside of a key block: base64, blank, or an RFC 1421 / OpenPGP header line.
 _PEM_BODY_LINE = re.compile(rf"^({_PREFIX})(?:[A-Za-z0-9+/=]*|[A-Za-z][\w-]*: .*)[\"',]*\s*$")

@@ -58,6 +58,9 @@ class SessionConfig:
     output_limit: int = 20_000  # characters of one tool result the model sees
     emit_deltas: bool = True  # model_delta events for live views
     prompt_style: str = "auto"  # full | compact | auto (the model's `prompt_style`, else full)
+    # a client's own setting, not the policy's: under `safe`, file changes run without
+    # a question because the client shows each as an edit to accept, reject or undo
+    auto_apply_edits: bool = False
 
 
 @dataclass(kw_only=True)
@@ -324,6 +327,10 @@ class Session:
             )
 
     def needs_approval(self, spec: specs.ToolSpec, args: dict[str, Any]) -> bool:
+        """The one approval policy of every front door: `all` runs every call, `none`
+        asks about each, `safe` runs read-only tools and allowlisted read-only commands
+        and asks about the rest, file changes included unless the client applies
+        edits where the user reviews them (`auto_apply_edits`)."""
         policy = self.config.approve
         if policy == "all":
             return False
@@ -331,18 +338,17 @@ class Session:
             return True
         if spec.read_only:
             return False
-        if spec.name == "run_terminal":
+        if spec.footprint(args).terminal:
             from opencomposer.tools.terminal import is_safe_command
 
             return not is_safe_command(args.get("command", ""), self.workspace.root)
-        return True
+        return not self.config.auto_apply_edits
 
     async def _gate(self, spec: specs.ToolSpec, args: dict[str, Any]) -> str | None:
         if not self.needs_approval(spec, args):
             return None
-        key = (
-            f"run_terminal:{args.get('command', '')}" if spec.name == "run_terminal" else spec.name
-        )
+        command = spec.footprint(args).terminal
+        key = f"{spec.name}:{args.get('command', '')}" if command else spec.name
         async with self._approval_lock:
             if key in self._always:
                 return None

@@ -68,7 +68,6 @@ ACTION_RUN, ACTION_ALWAYS, ACTION_REJECT = "Run", "Always for this command", "Re
 SERVER_ERROR = -32000  # a command that could not be carried out (unknown session, model failure…)
 INDEX_MAX_BUFFER = 8 * 1024 * 1024  # larger buffers are not fed to the index
 CANCEL_WAIT_S = 5.0
-FILE_TOOLS = frozenset({"edit_file", "write_file", "delete_file"})
 
 
 def server_error(message: str) -> JsonRpcException:
@@ -467,11 +466,9 @@ class ComposerServer(LanguageServer):
                     running.progress, lsp.WorkDoneProgressReport(message=message)
                 )
 
-    async def _approve(self, session_id: str, policy: str, name: str, args: dict[str, Any]) -> str:
-        """The session's approver. File changes under the "safe" policy run without a
-        question: they land as editor edits that the user accepts, rejects or undoes."""
-        if policy == "safe" and name in FILE_TOOLS:
-            return "run"
+    async def _approve(self, session_id: str, name: str, args: dict[str, Any]) -> str:
+        """The session's approver: asked only about the calls its policy holds back
+        (`Session.needs_approval`), through `window/showMessageRequest`."""
         command = str(args.get("command", "")).strip()
         key = f"{name}:{command}"
         if key in self.always:
@@ -535,9 +532,12 @@ class ComposerServer(LanguageServer):
         session = open_session(
             model=model,
             workspace=workspace,
-            config=SessionConfig(approve=args.approve),  # type: ignore[arg-type]
+            config=SessionConfig(
+                approve=args.approve,  # type: ignore[arg-type]
+                auto_apply_edits=args.auto_apply_edits,
+            ),
             on_event=lambda event: self._on_event(session_id, event, root, args.reveal),
-            approver=lambda name, a: self._approve(session_id, args.approve, name, a),  # type: ignore[arg-type,return-value]
+            approver=lambda name, a: self._approve(session_id, name, a),  # type: ignore[arg-type,return-value]
             traces=self.shared.traces(),
             index=self.shared.index(root),
             session_id=session_id,

@@ -192,6 +192,8 @@ SECRETS = {
     "password": ('db_password = "correct horse battery staple"', "correct horse battery"),
     "env line": ("export GITHUB_TOKEN=abcdef0123456789", "abcdef0123456789"),
     "cli flag": ("mysql --password S3cretPass --user root", "S3cretPass"),
+    "grep -r hit": ("/root/.ssh/id_rsa:MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7VJTUt9Us8cKj", "MIIEvQIBADANBgkqhkiG9w0"),
+    "openssh body": ("b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\nQyNTUxOQAAACBNa8ZxZC1bVw5yQkHh2WmEMbhY0a7m1qL3D3gZ0m8m9AAAAJgNYIRbDWCE", "QyNTUxOQAAACBNa8ZxZC1b"),
     "json key": ('{"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----\\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\\nBKcwggSjAgEAAoIBAQC7\\n-----END PRIVATE KEY-----\\n"}', "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC"),
 }  # fmt: skip
 
