@@ -45,6 +45,9 @@ class AskArgs:
     model: str | None = None
     approve: str = "safe"
     reveal: bool = False  # window/showDocument on every edited file
+    # the client's own setting: file changes run without a question under `safe`,
+    # since each lands as an editor edit the user can accept, reject or undo
+    auto_apply_edits: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +167,17 @@ def parse(command: str, arguments: Any) -> Any:
         o = _Obj(
             command,
             arguments,
-            ("query", "uri", "selection", "open_files", "model", "approve", "reveal", "prompt"),
+            (
+                "query",
+                "uri",
+                "selection",
+                "open_files",
+                "model",
+                "approve",
+                "reveal",
+                "prompt",
+                "auto_apply_edits",
+            ),
         )
         files = o.data.get("open_files") or []
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
@@ -177,6 +190,7 @@ def parse(command: str, arguments: Any) -> Any:
             model=o.text("model", nonempty=True),
             approve=o.choice("approve", POLICIES, "safe"),
             reveal=o.flag("reveal"),
+            auto_apply_edits=o.flag("auto_apply_edits"),
         )
     if command == CANCEL:
         o = _Obj(command, arguments, ("session_id",))

@@ -167,6 +167,7 @@ class OpenComposerApp(App[int]):
         env: dict[str, str] | None = None,
         show_timings: bool = True,
         approve: str | None = None,
+        auto_apply_edits: bool = True,
     ) -> None:
         super().__init__()
         self.workspace = workspace.resolve()
@@ -176,6 +177,9 @@ class OpenComposerApp(App[int]):
         self.env = env
         self.show_timings = show_timings
         self.approve = approve
+        # edits land in the transcript's review (accept / reject / undo), so under the
+        # `safe` policy they need no question first (docs/lsp.md, auto_apply_edits)
+        self.auto_apply_edits = auto_apply_edits
         self.link: ServerLink | None = None
         self.connected = False
         self.session: SessionView | None = None
@@ -415,7 +419,11 @@ class OpenComposerApp(App[int]):
     @work(group="ask")
     async def ask(self, session: SessionView, text: str) -> None:
         """Run `opencomposer.ask`; the outcome goes back onto the message queue."""
-        argument: dict[str, Any] = {"query": text, "reveal": True}
+        argument: dict[str, Any] = {
+            "query": text,
+            "reveal": True,
+            "auto_apply_edits": self.auto_apply_edits,
+        }
         if self.approve:
             argument["approve"] = self.approve
         try:

@@ -150,7 +150,11 @@ async function ask(context: vscode.ExtensionContext, preset?: Record<string, unk
   });
   if (!query) return;
   const base = preset ? { uri: preset.uri as string | undefined, selection: preset.selection as any } : editorState();
-  const arg = askArguments(query, base, { model: config().get<string>("model") || undefined, approve: config().get<string>("approve") });
+  const arg = askArguments(query, base, {
+    model: config().get<string>("model") || undefined,
+    approve: config().get<string>("approve"),
+    autoApplyEdits: config().get<boolean>("autoApplyEdits"),
+  });
   store.expect(query);
   showPanel(context);
   const result = await execute("opencomposer.ask", arg);

@@ -189,7 +189,7 @@ export interface EditorState {
 export function askArguments(
   query: string,
   editor: EditorState,
-  options: { model?: string; approve?: string } = {},
+  options: { model?: string; approve?: string; autoApplyEdits?: boolean } = {},
 ): Record<string, unknown> {
   const q = query.trim();
   if (!q) throw new Error("the question is empty");
@@ -202,6 +202,7 @@ export function askArguments(
   if (editor.openFiles && editor.openFiles.length > 0) arg.open_files = editor.openFiles.slice(0, 50);
   if (options.model) arg.model = options.model;
   if (options.approve) arg.approve = options.approve;
+  if (options.autoApplyEdits !== undefined) arg.auto_apply_edits = options.autoApplyEdits;
   return arg;
 }
 

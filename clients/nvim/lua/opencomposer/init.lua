@@ -17,6 +17,7 @@ local defaults = {
   model = nil, -- a --model spec; nil: the server's default
   root = nil, -- workspace folder; nil: the current directory
   approve = "safe", -- none | safe | all
+  auto_apply_edits = true, -- under safe, file changes land as buffer edits (u undoes) without asking
   save_edits = true, -- write buffers the agent changed if they had no unsaved changes
   split = "botright vsplit", -- how the session window opens
   autostart = true,
@@ -325,6 +326,9 @@ end
 
 function M.ask_with(arg)
   arg.approve = arg.approve or M.config.approve
+  if arg.auto_apply_edits == nil then
+    arg.auto_apply_edits = M.config.auto_apply_edits
+  end
   show_split()
   execute("opencomposer.ask", arg, function(result)
     M.state.results[result.session_id] = result

@@ -69,6 +69,12 @@ test("askArguments builds the docs/lsp.md argument object", () => {
   });
   const empty = { start: { line: 2, character: 1 }, end: { line: 2, character: 1 } };
   assert.deepEqual(askArguments("q", { uri: "file:///a.py", selection: empty }), { query: "q", uri: "file:///a.py" });
+  // the editor's own edits setting travels as its own argument, never as a policy
+  assert.deepEqual(askArguments("q", {}, { approve: "safe", autoApplyEdits: false }), {
+    query: "q",
+    approve: "safe",
+    auto_apply_edits: false,
+  });
   assert.throws(() => askArguments("   ", {}), /empty/);
 });
 

@@ -1,0 +1,42 @@
+"""Approvals through the language server mean what they mean in `opencomposer ask`.
+
+Guards the old split: under `safe` the server applied file edits without asking,
+while `ask` asked. Now a file change under `safe` becomes a
+`window/showMessageRequest` unless the client sends its own `auto_apply_edits`
+setting (docs/lsp.md, Approvals). Real server over stdio, scripted editor.
+"""
+
+from __future__ import annotations
+
+from conftest import CALC, FIX
+from lsp_harness import scripted
+
+ASK = "opencomposer.ask"
+
+
+async def test_safe_asks_before_a_file_change(spawn, repo, tmp_path):
+    editor = await spawn(scripted(tmp_path / "m.json", [FIX, "fixed"]))
+    editor.approve_with = "Reject"
+    result = await editor.command(ASK, {"query": "fix add"})
+    assert result["status"] == "completed"
+    assert len(editor.approval_requests) == 1 and "edit_file calc.py" in editor.approval_requests[0]
+    assert (repo / "calc.py").read_text() == CALC and not editor.edits_received
+    end = next(e for e in editor.events if e["type"] == "tool_end")
+    assert end["status"] == "error"
+
+
+async def test_auto_apply_edits_is_the_clients_own_setting(spawn, repo, tmp_path):
+    editor = await spawn(scripted(tmp_path / "m.json", [FIX, "fixed"]))
+    editor.approve_with = "Reject"  # would refuse, were it asked
+    result = await editor.command(ASK, {"query": "fix add", "auto_apply_edits": True})
+    assert result["status"] == "completed" and result["edits"] == ["calc.py"]
+    assert editor.approval_requests == []
+    assert "return a + b" in (repo / "calc.py").read_text()
+
+
+async def test_auto_apply_edits_does_not_loosen_none(spawn, repo, tmp_path):
+    editor = await spawn(scripted(tmp_path / "m.json", [FIX, "fixed"]))
+    editor.approve_with = "Reject"
+    await editor.command(ASK, {"query": "fix", "approve": "none", "auto_apply_edits": True})
+    assert len(editor.approval_requests) == 1
+    assert (repo / "calc.py").read_text() == CALC
