@@ -15,13 +15,14 @@ cut: a partial read of a key file, output split across tool results, a numbered
   the same line (JSON's `"private_key": "-----BEGIN …\\nMIIE…"`) is redacted to the
   END marker or the end of the line. Without any marker, a line that is nothing
   but a base64 run of 40 or more characters mixing upper case, lower case and
-  digits (after a `read_file` number, a `grep` location, a diff sign or a quote)
-  is redacted: that is what the body of a key file read in part looks like, and
-  also a bare 40-character AWS secret key. Hex digests (one case) stay.
+  digits (after a `read_file` number, a `grep` location, a diff sign or a quote),
+  or ending a line after any text with 60 or more such characters, is redacted:
+  that is what the body of a key file read in part looks like, and also a bare
+  40-character AWS secret key. Hex digests (one case) stay.
 - **Credentials in context**: `Authorization: Bearer|Basic|token …`,
   `scheme://user:password@host`, and the value given to a key that names a
   secret. A key names a secret when its last words (split at `_ - .` and
-  camelCase) are one of api key, secret, token, password, passwd, passphrase,
+  camelCase) are one of api key, secret, token, password, passwd, pass, passphrase,
   credential(s), private/access/account/auth/secret/session/signing/encryption
   key, client secret, auth — optionally followed by key, base, value, b64:
   `aws_secret_access_key`, `GITHUB_TOKEN`, `clientSecret`, `X-Api-Key`,
@@ -97,6 +98,10 @@ _PEM_HEADER_LINE = re.compile(rf"^({_PREFIX})-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?:
 # The inside of a key block: base64, blank, or an RFC 1421 / OpenPGP header line.
 _PEM_BODY_LINE = re.compile(rf"^({_PREFIX})(?:[A-Za-z0-9+/=]*|[A-Za-z][\w-]*: .*)[\"',]*\s*$")
 _B64_LINE = re.compile(rf"(?m)^({_PREFIX})([A-Za-z0-9+/]{{40,}}={{0,2}})([\"']?[,;]?[ \t\r]*)$")
+# The same run ending a line after any text (`look at /root/.ssh/id_rsa:MIIE…`):
+# 60 or more characters, the length of a key's lines (64, OpenSSH 70), longer than
+# checksums that end lines (go.sum's 44).
+_B64_TAIL = re.compile(r"(?m)(?<=[\s:=])()([A-Za-z0-9+/]{60,}={0,2})([\"']?[,;]?[ \t\r]*)$")
 _B64_RUN = re.compile(r"[A-Za-z0-9+/]{40}")
 _INLINE_PEM = re.compile(
     r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----(?=(?:\\[nr]|[ \t])*[A-Za-z0-9+/]{16})"
@@ -155,7 +160,7 @@ def _names_secret(key: str) -> bool:
 
 def _reads_as_code(value: str) -> bool:
     """A value that is a reference or an expression, not a literal secret."""
-    v = value.strip()
+    v = re.sub(r"(?:\\[nrt])+$", "", value.strip())  # `secret = 1\n` inside a string
     return (
         not v
         or v[0] in "$%{<&*@"
@@ -314,6 +319,7 @@ class Redactor:
                 text = pattern.sub(MARK, text)
         if _B64_RUN.search(text):
             text = _B64_LINE.sub(_b64_line, text)
+            text = _B64_TAIL.sub(_b64_line, text)
         low = text.lower()
         if "authorization" in low:
             text = _AUTH_HEADER.sub(lambda m: m.group(1) + MARK, text)
