@@ -23,7 +23,7 @@ cut: a partial read of a key file, output split across tool results, a numbered
   `scheme://user:password@host`, and the value given to a key that names a
   secret. A key names a secret when its last words (split at `_ - .` and
   camelCase) are one of api key, secret, token, password, passwd, pass, passphrase,
-  credential(s), private/access/account/auth/secret/session/signing/encryption
+  credential(s), private/access/account/auth/secret/session/signing/encryption/master
   key, client secret, auth — optionally followed by key, base, value, b64:
   `aws_secret_access_key`, `GITHUB_TOKEN`, `clientSecret`, `X-Api-Key`,
   `SECRET_KEY_BASE`, `--password`, but not `max_tokens`, `token_type`,
