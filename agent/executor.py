@@ -6,6 +6,16 @@ a read or write of an overlapping path; run_terminal against anything that touch
 files, though two run_terminal calls may overlap). So a message of independent
 reads, searches and commands runs at once, and `read -> edit -> read` of one file
 stays in order.
+
+Paths in footprints are the workspace's keys (`./a.txt`, `a.txt`, `d/../a.txt`
+and a symlink to it are one file), so aliases cannot reorder two edits of a file.
+
+`_Schedule` finds the conflicting calls without comparing each call with every
+earlier one (ten thousand calls in one message would be fifty million checks): a
+trie of paths keeps, per path, the last write, the reads since it, and "barriers"
+(one future each) over every call at or below it; a call waits on the few
+barriers that cover exactly the earlier calls it conflicts with. That is the same
+set the pairwise rule gives, so the same order, in time linear in the message.
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ class Executor:
         self.output_limit = output_limit
         self.records: list[CallRecord] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._schedule = _Schedule()
 
     def submit(self, call: ParsedCall) -> CallRecord:
         """Start a call now; it runs once the earlier calls it conflicts with are done."""
@@ -92,14 +103,22 @@ class Executor:
                 error = str(e)
         if error is not None:
             rec.args = dict(call.raw)
-        deps = [
-            t
-            for r, t in zip(self.records, self._tasks, strict=True)
-            if r.footprint.conflicts(rec.footprint)
-        ]
+        if spec is not None and error is None:
+            rec.footprint = rec.footprint.keyed(self._key)
+        deps = self._schedule.deps(rec.footprint)
+        task = asyncio.ensure_future(self._run(rec, spec, error, deps))
+        self._schedule.add(rec.footprint, task)
         self.records.append(rec)
-        self._tasks.append(asyncio.ensure_future(self._run(rec, spec, error, deps)))
+        self._tasks.append(task)
         return rec
+
+    def _key(self, path: str) -> str:
+        """The workspace's one spelling of `path`; the path as given when it is refused
+        (the call then fails on its own, ordered by its lexical form)."""
+        try:
+            return self.ctx.workspace.key(path)  # type: ignore[attr-defined]
+        except ToolError:
+            return path
 
     async def _run(
         self,
@@ -147,6 +166,101 @@ class Executor:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _Barrier:
+    """One future that is done when every task added so far is done."""
+
+    def __init__(self) -> None:
+        self._done: asyncio.Future[Any] | None = None
+        self._new: list[asyncio.Future[Any]] = []
+
+    def add(self, task: asyncio.Future[Any]) -> None:
+        self._new.append(task)
+
+    def future(self) -> asyncio.Future[Any] | None:
+        if self._new:
+            older = [self._done] if self._done is not None else []
+            self._done = asyncio.gather(*older, *self._new, return_exceptions=True)
+            self._new = []
+        return self._done
+
+
+@dataclass
+class _Node:
+    """One path of the trie: calls on exactly this path, and barriers over its subtree."""
+
+    children: dict[str, _Node] = field(default_factory=dict)
+    writer: asyncio.Future[Any] | None = None  # last write here; it waited on the ones before
+    readers: _Barrier = field(default_factory=_Barrier)  # reads here since that write
+    below: _Barrier = field(default_factory=_Barrier)  # every call here or deeper
+    below_writes: _Barrier = field(default_factory=_Barrier)  # every write here or deeper
+
+
+class _Schedule:
+    """The earlier calls a call must wait for, as a few futures (see the module docstring).
+
+    A read waits on the writes at its path, above it and below it; a write also on
+    the reads there. run_terminal calls stay out of the trie: one waits on every
+    file call before it (`_files`), a file call on the last run of run_terminal
+    calls (`_terminals`), which waited on everything before them in turn.
+    """
+
+    def __init__(self) -> None:
+        self._root = _Node()
+        self._files = _Barrier()
+        self._terminals: _Barrier | None = None
+        self._run_open = False  # whether the last call that touches anything was a run_terminal
+
+    def deps(self, fp: specs.Footprint) -> list[asyncio.Future[Any]]:
+        if fp.terminal:
+            found = [self._files.future()]
+        elif fp.reads or fp.writes:
+            found = [self._terminals.future() if self._terminals else None]
+            for path in fp.reads:
+                *above, node = self._path(path)
+                found += [n.writer for n in above] + [node.writer, node.below_writes.future()]
+            for path in fp.writes:
+                *above, node = self._path(path)
+                found += [n.writer for n in above] + [n.readers.future() for n in above]
+                found.append(node.below.future())
+        else:
+            found = []
+        return [f for f in dict.fromkeys(found) if f is not None]
+
+    def add(self, fp: specs.Footprint, task: asyncio.Future[Any]) -> None:
+        if fp.terminal:
+            if not self._run_open or self._terminals is None:
+                self._terminals = _Barrier()
+            self._terminals.add(task)
+            self._run_open = True
+            return
+        if not (fp.reads or fp.writes):
+            return
+        self._files.add(task)
+        self._run_open = False
+        for path in fp.reads:
+            nodes = self._path(path)
+            nodes[-1].readers.add(task)
+            for n in nodes:
+                n.below.add(task)
+        for path in fp.writes:
+            nodes = self._path(path)
+            nodes[-1].writer = task
+            nodes[-1].readers = _Barrier()
+            for n in nodes:
+                n.below.add(task)
+                n.below_writes.add(task)
+
+    def _path(self, path: str) -> list[_Node]:
+        """The nodes from the root (ALL) down to `path`, made as needed."""
+        nodes = [self._root]
+        for part in path.split("/") if path else ():
+            child = nodes[-1].children.get(part)
+            if child is None:
+                child = nodes[-1].children[part] = _Node()
+            nodes.append(child)
+        return nodes
 
 
 def format_results(records: list[CallRecord]) -> str:

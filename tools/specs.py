@@ -9,8 +9,9 @@ footprint that lets independent calls run in parallel (`ToolSpec.footprint`).
 from __future__ import annotations
 
 import importlib
+import posixpath
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult
@@ -75,9 +76,19 @@ class Footprint:
             other.writes, self.reads + self.writes
         )
 
+    def keyed(self, key: Callable[[str], str]) -> Footprint:
+        """The same footprint with each path given as `key(path)`, so aliases of one
+        file (`./a.txt`, `a.txt`, a symlink to it) are one path when calls are ordered."""
+        return replace(
+            self,
+            reads=tuple(ALL if _norm(p) == ALL else _norm(key(p)) for p in self.reads),
+            writes=tuple(ALL if _norm(p) == ALL else _norm(key(p)) for p in self.writes),
+        )
+
 
 def _norm(prefix: str) -> str:
-    prefix = prefix.strip().strip("/")
+    """One spelling of a path prefix: `./a`, `a//b/`, `d/../a` become `a`, `a/b`, `a`."""
+    prefix = posixpath.normpath(prefix.strip()).strip("/")
     return "" if prefix in ("", ".") else prefix
 
 
