@@ -498,7 +498,7 @@ def _stage_safe(words: list[str], root: Path) -> bool:
     if not words:
         return False
     name, args = words[0], words[1:]
-    if "/" in name or "=" in name:
+    if name != "find" and name not in SAFE_PROGRAMS:
         return False
     if name not in _BUILTINS and not _found_outside(name, root):
         return False
@@ -506,8 +506,7 @@ def _stage_safe(words: list[str], root: Path) -> bool:
         return _find_safe(args, root)
     if name == "printf" and args and args[0].startswith("-") and args[0] != "--":
         return False  # `printf -v VAR` assigns; no other option exists
-    prog = SAFE_PROGRAMS.get(name)
-    return prog is not None and _program_safe(prog, args, root)
+    return _program_safe(SAFE_PROGRAMS[name], args, root)
 
 
 def is_safe_command(command: str, root: Path | str) -> bool:
