@@ -117,11 +117,15 @@ async def grep(
         if _under(k, key) and (spec is None or spec.match_file(k))
     }
     rg = shutil.which("rg")
-    if rg is not None:
-        shown, total = await _grep_rg(rg, ws.root, pattern, key, glob, case_sensitive, set(overlay))
-    elif regex is None:
+    if rg is None and regex is None:
         raise ToolError(f"invalid regular expression {pattern!r}: {py_error}")
-    else:
+    shown: list[Match] = []
+    total = 0
+    if not (ws.root / key).exists():
+        pass  # an unsaved buffer: nothing on disk to search
+    elif rg is not None:
+        shown, total = await _grep_rg(rg, ws.root, pattern, key, glob, case_sensitive, set(overlay))
+    elif regex is not None:
         shown, total = await asyncio.to_thread(
             _grep_python, ws.root, regex, key, spec, set(overlay)
         )

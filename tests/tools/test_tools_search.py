@@ -79,6 +79,8 @@ async def test_grep_searches_open_buffers_not_disk(ctx: ToolContext, engine: str
         "src/net/client.py:2:retry(2)",
         "src/unsaved.py:1:retry_unsaved = 1",
     ]
+    r = await call(ctx, "grep", pattern="retry", path="src/unsaved.py")
+    assert r.output == "src/unsaved.py:1:retry_unsaved = 1"
 
 
 async def test_grep_caps_output_with_a_count(ctx: ToolContext, engine: str) -> None:
