@@ -125,13 +125,14 @@ def parent_dir(root: Path, key: str, *, create: bool = False) -> Iterator[tuple[
         os.close(fd)
 
 
-def read_regular(dir_fd: int, name: str, key: str, limit: int = MAX_FILE_BYTES) -> bytes:
+def read_regular(dir_fd: int, name: str, key: str, limit: int | None = None) -> bytes:
     """The bytes of the regular file `name` in `dir_fd`; ToolError for anything else.
 
     An `lstat` first, so a FIFO or device is never opened; then an `O_NOFOLLOW |
     O_NONBLOCK` open and an `fstat` of what was opened, so a swap in between is
-    caught too.
+    caught too. `limit` defaults to MAX_FILE_BYTES.
     """
+    limit = MAX_FILE_BYTES if limit is None else limit
     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     _check_regular(st, key, limit)
     fd = os.open(name, _O_READ, dir_fd=dir_fd)
@@ -394,7 +395,7 @@ class _Ignore:
 def _load_ignore(dir_fd: int) -> pathspec.GitIgnoreSpec | None:
     """The folder's .gitignore, if it is a regular file (as git: a symlink or FIFO is not read)."""
     try:
-        data = read_regular(dir_fd, ".gitignore", ".gitignore", limit=MAX_FILE_BYTES)
+        data = read_regular(dir_fd, ".gitignore", ".gitignore")
     except (OSError, ToolError):
         return None
     lines = data.decode("utf-8", "replace").splitlines()

@@ -393,7 +393,7 @@ async def test_files_over_the_cap_are_refused(
     ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 19 item 13: the file tools load a file whole, so they refuse one over the cap."""
-    monkeypatch.setattr(workspace.read_regular, "__defaults__", (1000,))
+    monkeypatch.setattr(workspace, "MAX_FILE_BYTES", 1000)
     (ctx.workspace.root / "big.txt").write_text("x\n" * 1000)
     r = await call(ctx, "edit_file", path="big.txt", old="x", new="y", replace_all="true")
     assert r.status == "error" and "the file tools load" in r.output and "\n" not in r.output

@@ -312,7 +312,6 @@ def test_files_over_the_cap_are_refused_in_one_line(
 ) -> None:
     """Issue 19 item 13: the file tools load a file whole; above MAX_FILE_BYTES they say so."""
     monkeypatch.setattr(workspace, "MAX_FILE_BYTES", 1000)
-    monkeypatch.setattr(workspace.read_regular, "__defaults__", (1000,))
     (ws.root / "big.txt").write_text("x" * 1001)
     with pytest.raises(ToolError, match=r"over the 0 MB the file tools load") as e:
         ws.read_text("big.txt")
