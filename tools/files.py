@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from opencomposer.tools.output import returns_errors
-from opencomposer.tools.protocols import Edit, PathError, ToolContext, ToolError, ToolResult
+from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResult
 from opencomposer.tools.workspace import MAX_FILE_BYTES, walk
 
 READ_MAX_LINES = 2000
@@ -501,12 +501,12 @@ async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
         raise ToolError(f"file not found: {key}")
     try:
         before = ws.read_text(path)
-    except PathError:
+    except ToolError as e:
+        if "binary" in str(e) or "not UTF-8" in str(e):
+            raise ToolError(
+                f"{key} is not a text file; delete_file only removes text files it can restore"
+            ) from None
         raise
-    except ToolError:
-        raise ToolError(
-            f"{key} is not a text file; delete_file only removes text files it can restore"
-        ) from None
     await ws.delete(key)
     _changed(ctx, key)
     return ToolResult.ok(

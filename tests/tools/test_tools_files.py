@@ -395,8 +395,14 @@ async def test_files_over_the_cap_are_refused(
     """Issue 19 item 13: the file tools load a file whole, so they refuse one over the cap."""
     monkeypatch.setattr(workspace, "MAX_FILE_BYTES", 1000)
     (ctx.workspace.root / "big.txt").write_text("x\n" * 1000)
-    r = await call(ctx, "edit_file", path="big.txt", old="x", new="y", replace_all="true")
-    assert r.status == "error" and "the file tools load" in r.output and "\n" not in r.output
+    for name, raw in [
+        ("edit_file", dict(path="big.txt", old="x", new="y", replace_all="true")),
+        ("write_file", dict(path="big.txt", content="small\n")),
+        ("delete_file", dict(path="big.txt")),
+    ]:
+        r = await call(ctx, name, **raw)
+        assert r.status == "error" and "the file tools load" in r.output, (name, r.output)
+        assert "\n" not in r.output
     assert disk(ctx, "big.txt") == "x\n" * 1000
 
 
