@@ -600,6 +600,9 @@ async def _build(
             scratch, a.mutations + b.mutations, cfg, plugin_dir, base.failing_files
         )
         if t is not None:
+            # Verify runs both bugs' failing files: fixing one site leaves the code as
+            # the other's single-site bug, which fails a test there, so both fixes are needed.
+            t.files = sorted(set(t.files) | set(a.files) | set(b.files))
             trials.append(t)
             doubles += 1
     if not trials:
@@ -755,8 +758,10 @@ def queries(
     scrubbed = "\n".join(
         ln for ln in excerpt.splitlines() if file not in ln and name.split("[")[0] not in ln
     )
-    public = [
-        m.function for m in mutations if not any(p.startswith("_") for p in m.function.split("."))
+    public = [  # names a user would call: no _private part (dunder methods are public)
+        m.function
+        for m in mutations
+        if not any(p.startswith("_") and not p.endswith("__") for p in m.function.split("."))
     ]
     subject = f"`{public[0]}` in {spec.name}" if public else spec.name
     issue_q = (

@@ -501,7 +501,11 @@ def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[
         own = list(_own_nodes(fn))
         local = [n.id for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
         names = list(dict.fromkeys(params + local))
-        seen: set[tuple[int, int, str]] = set()
+        # Two mutations that give the same function (`x[1]` as an index or as a
+        # constant) are one bug: keyed by the mutated function's text.
+        fn_start = offsets[fn.lineno - 1] + fn.col_offset
+        fn_end = offsets[fn.end_lineno - 1] + fn.end_col_offset  # type: ignore[operator]
+        seen: set[bytes] = set()
         for node in own:
             if not hasattr(node, "end_lineno") or node.end_lineno is None:
                 continue
@@ -510,8 +514,11 @@ def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[
                 if isinstance(new, tuple):  # (field, replacement): a child of the node
                     target, new = getattr(node, new[0]), new[1]
                 m = _mutation(source, offsets, tree, target, new, kind, rel, qualname)
-                if m is not None and (m.start, m.end, m.new) not in seen:
-                    seen.add((m.start, m.end, m.new))
+                if m is None:
+                    continue
+                key = source[fn_start : m.start] + m.new.encode() + source[m.end : fn_end]
+                if key not in seen:
+                    seen.add(key)
                     m.tests = tests
                     found.append(m)
     return found

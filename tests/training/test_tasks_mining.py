@@ -91,6 +91,46 @@ def test_mutations_replace_one_node_and_keep_formatting(tmp_path: Path) -> None:
         compile(text, "mylib.py", "exec")
 
 
+KINDS_LIB = """def mix(xs, factor, flag):
+    total = 0
+    scale = 3
+    for i in range(len(xs)):
+        if xs[i] > 0 and flag:
+            total += xs[i] * factor
+        elif not flag:
+            total = total - xs[0]
+    helper(total, scale)
+    while total > 100:
+        total //= 2
+    if total == 7:
+        return True
+    return max(total, 0) << 1
+
+
+def helper(a, b):
+    pass
+"""
+
+
+def test_every_bug_kind_is_produced_and_parses(tmp_path: Path) -> None:
+    """SWE-smith's procedural kinds: one function rich enough to show each of them."""
+    from opencomposer.training.mining import KINDS
+
+    (tmp_path / "k.py").write_text(KINDS_LIB)
+    muts = find_mutations(tmp_path, "k.py", {1: ["t"]})
+    assert set(KINDS) == {m.kind for m in muts}
+    seen = set()
+    for m in muts:
+        text = m.apply(KINDS_LIB.encode()).decode()
+        assert text != KINDS_LIB and text not in seen  # no two mutations give the same file
+        seen.add(text)
+        compile(text, "k.py", "exec")
+        assert text.startswith("def mix(xs, factor, flag):")  # only the one node changed
+    negated = {m.new for m in muts if m.kind == "negated condition"}
+    assert "not total > 100" in negated and any("not (" in n or "not xs" in n for n in negated)
+    assert {m.new for m in muts if m.kind == "dropped factor"} == {"xs[i]"}
+
+
 def _run(cmd: str, cwd: Path) -> int:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     return subprocess.run(
