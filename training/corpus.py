@@ -851,6 +851,55 @@ async def _verify_rows(
     return kept
 
 
+# ---------------------------------------------------------------- one folder (`tasks mine`)
+
+
+def mine_repo(repo: Path | str, *, out: Path | str, limit: int = 10, seed: int = 0) -> list[Path]:
+    """`opencomposer tasks mine REPO`: task folders from one local project, its tests
+    made runnable as the corpus builder does (src layout, installed into .deps,
+    foreign addopts neutralised). TaskError (one line) when it cannot be mined."""
+    repo = Path(repo).expanduser().resolve()
+    if not repo.is_dir():
+        raise TaskError(f"{repo}: not a folder")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", repo.name).strip("-.") or "repo"
+    spec = ProjectSpec(name=name, split="train", git=str(repo), commit="-")
+    settings = CorpusSettings(per_function=1)
+    with tempfile.TemporaryDirectory(prefix="oc-mine-repo-") as tmp:
+        work = Path(tmp) / "work"
+        shutil.copytree(
+            repo, work, symlinks=True, ignore=shutil.ignore_patterns(*mining.SKIP_NAMES, "*.pyc")
+        )
+        env = TestEnv(pytest_args=list(ALWAYS_ARGS))
+        if _src_layout(work):
+            env.pythonpath.append("src")
+        try:
+            install_deps(work, spec, env)
+            return asyncio.run(
+                _mine_repo(work, Path(tmp), Path(out), spec, settings, env, limit, seed)
+            )
+        except Skip as e:
+            raise TaskError(f"{repo}: {e}") from None
+
+
+async def _mine_repo(
+    work: Path,
+    tmp: Path,
+    out: Path,
+    spec: ProjectSpec,
+    settings: CorpusSettings,
+    env: TestEnv,
+    limit: int,
+    seed: int,
+) -> list[Path]:
+    (tmp / "mine").mkdir()
+    cfg = env.config(spec, settings, limit=limit, max_attempts=max(60, 5 * limit), seed=seed)
+    cfg = mining.MineConfig(**{**cfg.__dict__, "source": f"mined:{spec.name}"})
+    scratch, plugin_dir = mining.setup_scratch(work, tmp / "mine", cfg)
+    base = await _baseline(scratch, cfg, plugin_dir, spec, env)
+    cfg = mining.MineConfig(**{**cfg.__dict__, "pytest_args": tuple(env.pytest_args)})
+    return await mining.mine_from(scratch, plugin_dir, base, cfg, out, spec.name, label=spec.name)
+
+
 # ---------------------------------------------------------------- the whole corpus
 
 

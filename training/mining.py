@@ -652,25 +652,39 @@ async def _mine(repo: Path, out: Path, cfg: MineConfig) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="oc-mine-") as tmp:
         scratch, plugin_dir = setup_scratch(repo, Path(tmp), cfg)
         base = await baseline(scratch, cfg, plugin_dir, str(repo))
-        found = candidates(scratch, cfg, base)
-        if not found:
-            raise TaskError(f"{repo}: no function covered by a passing test to mutate")
-        ordered = _interleave(found, random.Random(cfg.seed))
-        kept: list[Path] = []
-        per_function: dict[tuple[str, str], int] = {}
-        attempts = 0
-        for m in ordered:
-            if len(kept) >= cfg.limit or attempts >= cfg.max_attempts:
-                break
-            key = (m.path, m.function)
-            if per_function.get(key, 0) >= cfg.per_function:
-                continue
-            attempts += 1
-            task = await _try(scratch, m, cfg, plugin_dir, base.failing_files, out, repo.name)
-            if task is not None:
-                kept.append(task)
-                per_function[key] = per_function.get(key, 0) + 1
-        return kept
+        return await mine_from(scratch, plugin_dir, base, cfg, out, repo.name, label=str(repo))
+
+
+async def mine_from(
+    scratch: Path,
+    plugin_dir: Path,
+    base: Baseline,
+    cfg: MineConfig,
+    out: Path,
+    name: str,
+    *,
+    label: str,
+) -> list[Path]:
+    """Mutate, keep the bugs the tests catch, write and verify one task folder each."""
+    found = candidates(scratch, cfg, base)
+    if not found:
+        raise TaskError(f"{label}: no function covered by a passing test to mutate")
+    ordered = _interleave(found, random.Random(cfg.seed))
+    kept: list[Path] = []
+    per_function: dict[tuple[str, str], int] = {}
+    attempts = 0
+    for m in ordered:
+        if len(kept) >= cfg.limit or attempts >= cfg.max_attempts:
+            break
+        key = (m.path, m.function)
+        if per_function.get(key, 0) >= cfg.per_function:
+            continue
+        attempts += 1
+        task = await _try(scratch, m, cfg, plugin_dir, base.failing_files, out, name)
+        if task is not None:
+            kept.append(task)
+            per_function[key] = per_function.get(key, 0) + 1
+    return kept
 
 
 def _interleave(candidates: list[Mutation], rng: random.Random) -> list[Mutation]:

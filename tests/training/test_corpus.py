@@ -268,3 +268,19 @@ def test_sample_repository_is_refused(tmp_path: Path) -> None:
     shutil.copytree(sample, tmp_path / "copy")
     with pytest.raises(corpus.Skip, match="sample repository"):
         corpus._check_not_sample(tmp_path / "copy")
+
+
+@needs_bwrap
+def test_tasks_mine_handles_the_same_layouts(tmp_path: Path, capsys) -> None:
+    """`opencomposer tasks mine REPO` on the src-layout, must-install, foreign-addopts
+    project: it used to stop at "no passing tests to mine from"."""
+    from opencomposer.server.cli import main
+
+    repo, _ = _project(tmp_path)
+    code = main(["tasks", "mine", str(repo), "--out", str(tmp_path / "mined"), "--limit", "1"])
+    assert code == 0, capsys.readouterr().err
+    (task,) = load_suite(tmp_path / "mined")
+    assert "PYTHONPATH=src:.deps" in task.verify and "addopts=" in task.verify
+    ws = tmp_path / "ws"
+    safe_extract(task.repo_tar, ws)
+    assert (ws / ".deps").is_dir() and asyncio.run(_run(task.verify, ws)) != 0
