@@ -78,9 +78,9 @@ def _traces(a: argparse.Namespace) -> int:
 def _tasks_mine(a: argparse.Namespace) -> int:
     import json
 
-    from opencomposer.training.mining import mine
+    from opencomposer.training.corpus import mine_repo
 
-    paths = mine(_workspace(a.repo), out=a.out, limit=a.limit)
+    paths = mine_repo(_workspace(a.repo), out=a.out, limit=a.limit)
     print(json.dumps({"tasks": [str(p) for p in paths]}))
     return 0 if paths else 1
 
