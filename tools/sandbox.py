@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import platform
@@ -348,13 +349,19 @@ def _under_tmp_binds(root: Path) -> list[str]:
 def _is_secret(name: str, value: str) -> bool:
     if SECRET_ENV.search(name):
         return True
-    # Substring tests first: scanning every value with the regexes would cost more
-    # than the sandbox's start-up budget, and nearly no value holds any of these.
+    # Substring tests first: nearly no value holds any of these.
     if "://" in value and _URL_PASSWORD.search(value):
         return True
     if "=" in value and _KEY_VALUE.search(value):
         return True
     return any(h in value for h in _TOKEN_HINTS) and _TOKEN.search(value) is not None
+
+
+@functools.lru_cache(maxsize=8)
+def _without_secrets(environ: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    # Cached: the environment rarely changes, and checking every value each run
+    # would cost a few hundred microseconds of the sandbox's start-up.
+    return tuple((k, v) for k, v in environ if not _is_secret(k, v))
 
 
 def sandbox_path() -> str:
@@ -374,7 +381,7 @@ def sandbox_env(mode: str = "workspace-write") -> dict[str, str]:
 
     Sandboxed, caches go to the private /tmp: the home folder is read-only there.
     """
-    env = {k: v for k, v in os.environ.items() if not _is_secret(k, v)}
+    env = dict(_without_secrets(tuple(os.environ.items())))
     if "PATH" in env or sys.prefix != sys.base_prefix:
         env["PATH"] = sandbox_path()
     env.update(TERM="dumb", PAGER="cat", GIT_PAGER="cat", GIT_TERMINAL_PROMPT="0")
