@@ -24,7 +24,7 @@ What it implements, by LSP method:
 Run it:
 
     python -m opencomposer.server.lsp --stdio [--model scripted:turns.json]
-    python -m opencomposer.server.lsp --tcp 127.0.0.1:2087
+    python -m opencomposer.server.lsp --tcp 127.0.0.1:2087   # prints the clients' token
 """
 
 from __future__ import annotations
@@ -804,9 +804,16 @@ def _ended(task: asyncio.Task[Any]) -> str:
 # -- entry points ----------------------------------------------------------------
 
 
-def serve(*, stdio: bool = True, tcp: tuple[str, int] | None = None, model: str = "smollm2") -> int:
-    """Run the language server until the editor exits (stdio) or forever (TCP)."""
-    from opencomposer.server import lsp_transport
+def serve(
+    *,
+    stdio: bool = True,
+    tcp: tuple[str, int] | None = None,
+    model: str = "smollm2",
+    allow_remote: bool = False,
+) -> int:
+    """Run the language server until the editor exits (stdio) or forever (TCP, where
+    clients must present the token this prints and records: `lsp_auth`)."""
+    from opencomposer.server import lsp_auth, lsp_transport
 
     logging.basicConfig(
         level=logging.DEBUG if os.environ.get("OPENCOMPOSER_DEBUG") else logging.WARNING,
@@ -825,17 +832,42 @@ def serve(*, stdio: bool = True, tcp: tuple[str, int] | None = None, model: str 
         return server
 
     if tcp is not None:
+        try:
+            warning = lsp_auth.check_bind(tcp[0], allow_remote=allow_remote)
+        except ValueError as e:
+            print(f"opencomposer serve: {e}", file=sys.stderr)
+            return 2
+        if warning:
+            print(f"opencomposer serve: warning: {warning}", file=sys.stderr)
+        token = lsp_auth.new_token()
+        records: list[Path] = []
 
         def listening(host: str, port: int) -> None:
-            print(f"opencomposer serve: listening on {host}:{port}", file=sys.stderr, flush=True)
+            info = lsp_auth.ServerInfo(
+                host=host, port=port, token=token, pid=os.getpid(), model=model
+            )
+            try:
+                records.append(lsp_auth.write_server_file(info))
+                where = f"; also in {records[0]} (mode 0600)"
+            except OSError as e:
+                where = f"; could not record it under {lsp_auth.servers_dir()}: {e}"
+            print(f"opencomposer serve: listening on {host}:{port}", file=sys.stderr)
+            print(
+                f"opencomposer serve: token {token} (clients send it as "
+                f"initializationOptions.token{where})",
+                file=sys.stderr,
+                flush=True,
+            )
 
         async def run_tcp() -> None:
             task = asyncio.current_task()
             assert task is not None
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
             try:
-                await lsp_transport.serve_tcp(make, tcp[0], tcp[1], listening)
+                await lsp_transport.serve_tcp(make, tcp[0], tcp[1], listening, token=token)
             finally:
+                for path in records:
+                    lsp_auth.remove_server_file(path, token)
                 await shared.close()
 
         try:
@@ -887,8 +919,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=os.environ.get("OPENCOMPOSER_MODEL", "smollm2"), help="model spec"
     )
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="with --tcp: listen on an address other machines can reach (unencrypted)",
+    )
     ns = parser.parse_args(argv)
-    return serve(stdio=ns.tcp is None, tcp=ns.tcp, model=ns.model)
+    return serve(stdio=ns.tcp is None, tcp=ns.tcp, model=ns.model, allow_remote=ns.allow_remote)
 
 
 if __name__ == "__main__":

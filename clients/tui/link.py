@@ -68,12 +68,17 @@ class LinkUI(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class LinkConfig:
-    """How to reach the server: a child command over stdio, or `tcp` as HOST:PORT."""
+    """How to reach the server: a child command over stdio, or `tcp` as HOST:PORT.
+
+    A TCP server takes only clients that send its token (`initializationOptions.token`):
+    `token`, else `OPENCOMPOSER_TOKEN`, else the one the server recorded for its port
+    under `OPENCOMPOSER_HOME` (`opencomposer.server.lsp_auth`)."""
 
     workspace: Path
     command: Sequence[str] = ()
     tcp: str | None = None
     env: dict[str, str] | None = None
+    token: str | None = None
 
 
 def server_command(model: str) -> list[str]:
@@ -112,6 +117,7 @@ class ServerLink:
         self._arrived_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._socket: socket.socket | None = None
+        self._token: str | None = None
         self._register()
 
     # -- server to client -------------------------------------------------------------
@@ -263,9 +269,17 @@ class ServerLink:
         self._spawn(self._watch_child(self.process))
 
     async def _start_tcp(self, address: str) -> None:
+        from opencomposer.server.lsp_auth import token_for
+
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise LinkError(f"--tcp wants HOST:PORT, got {address!r}")
+        self._token = self.config.token or token_for(int(port))
+        if not self._token:
+            raise LinkError(
+                f"no token for the language server at {address}: set OPENCOMPOSER_TOKEN to the "
+                "token it printed, or use the OPENCOMPOSER_HOME it runs with"
+            )
         try:
             sock = await asyncio.to_thread(
                 socket.create_connection, (host, int(port)), CONNECT_TIMEOUT_S
@@ -413,6 +427,7 @@ class ServerLink:
             root_uri=root.as_uri(),
             workspace_folders=[lsp.WorkspaceFolder(uri=root.as_uri(), name=root.name)],
             client_info=lsp.ClientInfo(name="opencomposer-tui", version="0.1"),
+            initialization_options={"token": self._token} if self._token else None,
             capabilities=lsp.ClientCapabilities(
                 workspace=lsp.WorkspaceClientCapabilities(
                     apply_edit=True,

@@ -34,11 +34,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_session_over_tcp_then_server_gone(tmp_path):
+async def test_session_over_tcp_then_server_gone(tmp_path, monkeypatch):
     ws = make_workspace(tmp_path / "repo")
     model = make_script(tmp_path / "turns.json", [READ_BOTH, EDIT, DONE], 4000)
     port = _free_port()
-    env = {**os.environ, "OPENCOMPOSER_HOME": str(tmp_path / "home")}
+    # one home for both: the TUI finds the server's token where the server recorded it
+    monkeypatch.setenv("OPENCOMPOSER_HOME", str(tmp_path / "home"))
+    env = {**os.environ}
     server = subprocess.Popen(
         [sys.executable, "-m", "opencomposer.server.lsp", "--tcp", f"127.0.0.1:{port}"]
         + ["--model", model],

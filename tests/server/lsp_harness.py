@@ -198,21 +198,31 @@ class Editor(LanguageClient):
 
     @classmethod
     async def connect(
-        cls, root: Path, host: str, port: int, capabilities: lsp.ClientCapabilities | None = None
+        cls,
+        root: Path,
+        host: str,
+        port: int,
+        capabilities: lsp.ClientCapabilities | None = None,
+        token: str | None = None,
     ) -> Editor:
+        """Connect over TCP; the token is the one the server recorded for `port`
+        (under this process's OPENCOMPOSER_HOME) unless given."""
+        from opencomposer.server.lsp_auth import token_for
+
         editor = cls(root)
         await editor.start_tcp(host, port)
-        await editor.handshake(capabilities)
+        await editor.handshake(capabilities, token=token or token_for(port))
         return editor
 
     async def handshake(
-        self, capabilities: lsp.ClientCapabilities | None = None
+        self, capabilities: lsp.ClientCapabilities | None = None, token: str | None = None
     ) -> lsp.InitializeResult:
         result = await self.initialize_async(
             lsp.InitializeParams(
                 process_id=os.getpid(),
                 root_uri=self.root.as_uri(),
                 capabilities=capabilities or full_capabilities(),
+                initialization_options={"token": token} if token else None,
             )
         )
         self.initialized(lsp.InitializedParams())

@@ -97,3 +97,76 @@ def test_bad_arguments_say_what_is_wrong(command: str, arguments: list, message:
 def test_cancel_and_sessions_need_no_argument() -> None:
     assert cmds.parse(cmds.CANCEL, []).session_id is None
     assert cmds.parse(cmds.SESSIONS, None).limit == 50
+
+
+# -- TCP authentication records (lsp_auth) ----------------------------------------
+
+
+def test_server_record_is_private_and_found_by_port(tmp_path, monkeypatch):
+    """The token file is 0600 in a 0700 folder, even under a permissive umask."""
+    import os
+    import stat
+
+    from opencomposer.server import lsp_auth
+
+    monkeypatch.setenv("OPENCOMPOSER_HOME", str(tmp_path))
+    monkeypatch.delenv("OPENCOMPOSER_TOKEN", raising=False)
+    old = os.umask(0)
+    try:
+        info = lsp_auth.ServerInfo(host="127.0.0.1", port=4711, token="t0k", pid=os.getpid())
+        path = lsp_auth.write_server_file(info)
+    finally:
+        os.umask(old)
+    assert path == tmp_path / "servers" / "4711.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert lsp_auth.token_for(4711) == "t0k" and lsp_auth.token_for(4712) is None
+    assert lsp_auth.running_servers() == [info]
+    monkeypatch.setenv("OPENCOMPOSER_TOKEN", "from-env")
+    assert lsp_auth.token_for(4711) == "from-env"
+    lsp_auth.remove_server_file(path, "another server's token")
+    assert path.exists()  # not ours any more: left alone
+    lsp_auth.remove_server_file(path, "t0k")
+    assert not path.exists()
+
+
+def test_a_dead_servers_record_is_ignored(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from opencomposer.server import lsp_auth
+
+    monkeypatch.setenv("OPENCOMPOSER_HOME", str(tmp_path))
+    monkeypatch.delenv("OPENCOMPOSER_TOKEN", raising=False)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    info = lsp_auth.ServerInfo(host="127.0.0.1", port=4713, token="old", pid=int(child.stdout))
+    lsp_auth.write_server_file(info)
+    assert lsp_auth.token_for(4713) is None and lsp_auth.running_servers() == []
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("192.168.1.10", False),
+        ("10.0.0.1", False),
+    ],
+)
+def test_only_loopback_addresses_are_served_without_allow_remote(host, allowed):
+    from opencomposer.server.lsp_auth import check_bind
+
+    if allowed:
+        assert check_bind(host, allow_remote=False) is None
+    else:
+        with pytest.raises(ValueError, match="--allow-remote"):
+            check_bind(host, allow_remote=False)
+        assert "unencrypted" in check_bind(host, allow_remote=True)
