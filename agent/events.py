@@ -1,55 +1,247 @@
-"""The session event stream (DESIGN.md, `opencomposer ask --json`).
+"""A session's output: one stream of typed events.
 
-One event is a flat JSON object with `type` and `t` (seconds since the session
-started). The CLI prints them as JSON lines or renders them for a person; the
-language server forwards them as `opencomposer/event` notifications.
+A `Session` emits each event once (`Session.emit`) and everything else subscribes:
+the trace store (`TraceRecorder`), the CLI printers (`server/ask.py`), the language
+server's `opencomposer/event` notifications, the environment's episode metrics and,
+through the turns it keeps, the rollout builder.
+
+Every event has `t`, seconds since the session started, on the session's one
+monotonic clock (`Clock`); the trace's times are the session's wall-clock start
+plus `t`, so turns and tool calls share one time line.
+
+`to_wire()` is the documented JSON form (DESIGN.md's `ask --json` stream and
+docs/lsp.md's `opencomposer/event`): `type`, `t` and the event's wire fields.
+Fields declared with `local()` are for subscribers in this process (the full tool
+result, the turn's token ids, a file before and after an edit) and never leave it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-Event = dict[str, Any]
-EventSink = Callable[[Event], None]
+if TYPE_CHECKING:
+    from opencomposer.agent.protocols import Message as Prompt
+    from opencomposer.agent.protocols import TurnOutput
+    from opencomposer.agent.traces import TraceStore
 
-SESSION_START = "session_start"
-MODEL_START = "model_start"
-MODEL_DELTA = "model_delta"
-TOOL_START = "tool_start"
-TOOL_END = "tool_end"
-EDIT = "edit"
-MODEL_END = "model_end"
-MESSAGE = "message"
-SESSION_END = "session_end"
 
-# Fields each event carries beyond `type` and `t`. Extras for live views, which other
-# consumers ignore: model_delta (streamed text as it arrives), tool_end's `output`
-# (the result, cut at head and tail) and edit's `call_id`.
-FIELDS: dict[str, tuple[str, ...]] = {
-    SESSION_START: ("session_id", "workspace", "model"),
-    MODEL_START: ("turn",),
-    MODEL_DELTA: ("turn", "text"),
-    TOOL_START: ("turn", "call_id", "name", "args"),
-    TOOL_END: ("turn", "call_id", "name", "status", "duration_s"),
-    EDIT: ("path", "diff"),
-    MODEL_END: ("turn", "prompt_tokens", "completion_tokens"),
-    MESSAGE: ("turn", "text"),
-    SESSION_END: ("status", "turns", "tool_calls", "duration_s", "trace"),
-}
+def local(default: Any = MISSING, **kw: Any) -> Any:
+    """A field that subscribers in this process read and the wire form leaves out."""
+    if default is not MISSING:
+        kw["default"] = default
+    return field(metadata={"wire": False}, **kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    type: ClassVar[str]
+    t: float  # seconds since the session started
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": self.type, "t": self.t}
+        for f in fields(self):
+            if f.name != "t" and f.metadata.get("wire", True):
+                wire[f.name] = getattr(self, f.name)
+        return wire
+
+    @classmethod
+    def wire_fields(cls) -> tuple[str, ...]:
+        """The fields the wire form carries beyond `type` and `t`."""
+        return tuple(f.name for f in fields(cls) if f.name != "t" and f.metadata.get("wire", True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionStart(Event):
+    type: ClassVar[str] = "session_start"
+    session_id: str
+    workspace: str
+    model: str
+    started: float = local(0.0)  # wall-clock time at t = 0
+    query: str = local("")
+    sampling: dict[str, Any] = local(default_factory=dict)
+    prompt_style: str = local("")
+    tools: tuple[str, ...] = local(())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStart(Event):
+    type: ClassVar[str] = "model_start"
+    turn: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDelta(Event):
+    """Streamed text as it arrives (live views; other consumers ignore it)."""
+
+    type: ClassVar[str] = "model_delta"
+    turn: int
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolStart(Event):
+    type: ClassVar[str] = "tool_start"
+    turn: int
+    call_id: str
+    name: str
+    args: dict[str, Any]  # long strings cut for live views; ToolEnd.arguments is whole
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolEnd(Event):
+    type: ClassVar[str] = "tool_end"
+    turn: int
+    call_id: str
+    name: str
+    status: str  # ok | error
+    duration_s: float
+    output: str  # the result, cut at head and tail for live views
+    index: int = local(0)  # the call's place in its message
+    arguments: dict[str, Any] = local(default_factory=dict)
+    result: str = local("")  # the whole result the model read
+    t_start: float = local(0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Edit(Event):
+    type: ClassVar[str] = "edit"
+    path: str
+    diff: str
+    call_id: str
+    turn: int = local(0)
+    before: str | None = local(None)  # None: the file did not exist
+    after: str | None = local(None)  # None: the file was deleted
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelEnd(Event):
+    type: ClassVar[str] = "model_end"
+    turn: int
+    prompt_tokens: int
+    completion_tokens: int
+    prompt: tuple[Prompt, ...] = local(())  # the messages the model was given
+    output: TurnOutput | None = local(None)  # text, token ids, logprobs
+    t_start: float = local(0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message(Event):
+    type: ClassVar[str] = "message"
+    turn: int
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionEnd(Event):
+    type: ClassVar[str] = "session_end"
+    status: str
+    turns: int
+    tool_calls: int
+    duration_s: float
+    trace: str
+    answer: str = local("")
+    error: str | None = local(None)
+
+
+EVENTS: tuple[type[Event], ...] = (
+    SessionStart,
+    ModelStart,
+    ModelDelta,
+    ToolStart,
+    ToolEnd,
+    Edit,
+    ModelEnd,
+    Message,
+    SessionEnd,
+)
+Subscriber = Callable[[Event], None]
 
 
 class Clock:
+    """The session's one clock: monotonic seconds since start, and the wall time then."""
+
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.wall = time.time()
 
     def now(self) -> float:
-        return round(time.monotonic() - self.start, 4)
+        return self.since(time.monotonic())
+
+    def since(self, monotonic: float) -> float:
+        """`t` of a `time.monotonic()` reading."""
+        return round(monotonic - self.start, 4)
 
 
-def make(clock: Clock, type_: str, **fields: Any) -> Event:
-    missing = [f for f in FIELDS[type_] if f not in fields]
-    if missing:
-        raise ValueError(f"event {type_} lacks {missing}")
-    return {"type": type_, "t": clock.now(), **fields}
+class TraceRecorder:
+    """Writes a session's trace from its events: the trace store's only writer.
+
+    Tool calls and edits are written as they end, a turn when its model output is
+    complete, the session row at its start and end; times are the session's
+    wall-clock start plus each event's `t`.
+    """
+
+    def __init__(self, store: TraceStore) -> None:
+        self.store = store
+        self.session_id = ""
+        self.started = 0.0
+        self.edits = 0
+
+    def __call__(self, e: Event) -> None:
+        store, sid = self.store, self.session_id
+        match e:
+            case SessionStart():
+                self.session_id, self.started = e.session_id, e.started
+                store.start_session(
+                    e.session_id,
+                    workspace=Path(e.workspace),
+                    model=e.model,
+                    sampling=e.sampling,
+                    query=e.query,
+                )
+                store.set_meta(e.session_id, prompt_style=e.prompt_style, tools=list(e.tools))
+            case ModelEnd(output=output) if output is not None:
+                store.write_turn(
+                    sid,
+                    e.turn,
+                    messages=[m.as_dict() for m in e.prompt],
+                    output=output,
+                    t_start=self.started + e.t_start,
+                    t_end=self.started + e.t,
+                )
+            case ToolEnd():
+                store.write_call(
+                    sid,
+                    e.turn,
+                    call_id=e.call_id,
+                    index=e.index,
+                    name=e.name,
+                    args=e.arguments,
+                    status=e.status,
+                    result=e.result,
+                    t_start=self.started + e.t_start,
+                    t_end=self.started + e.t,
+                )
+            case Edit():
+                self.edits += 1
+                store.write_edit(
+                    sid,
+                    self.edits,
+                    turn=e.turn,
+                    call_id=e.call_id,
+                    path=e.path,
+                    before=e.before,
+                    after=e.after,
+                    diff=e.diff,
+                )
+            case SessionEnd():
+                store.end_session(
+                    sid,
+                    status=e.status,
+                    answer=e.answer or (e.error or ""),
+                    turns=e.turns,
+                    tool_calls=e.tool_calls,
+                )

@@ -24,7 +24,7 @@ editor's buffers, an episode's sandboxed copy), who approves, where events go.
 
 from __future__ import annotations
 
-from opencomposer.agent.events import Event, EventSink
+from opencomposer.agent.events import Event, Subscriber, ToolEnd
 from opencomposer.agent.indexing import IndexHandle
 from opencomposer.agent.protocols import Model
 from opencomposer.agent.session import Approver, Session, SessionConfig
@@ -40,7 +40,7 @@ def open_session(
     config: SessionConfig | None = None,
     index: IndexHandle | None = None,
     traces: TraceStore | None = None,
-    on_event: EventSink | None = None,
+    on_event: Subscriber | None = None,
     approver: Approver | None = None,
     session_id: str | None = None,
 ) -> Session:
@@ -48,7 +48,7 @@ def open_session(
     handle = index if index is not None else IndexHandle(workspace.root)
 
     def sink(event: Event) -> None:
-        if event["type"] == "tool_end" and not _read_only(event["name"]):
+        if isinstance(event, ToolEnd) and not _read_only(event.name):
             handle.changed()
         if on_event is not None:
             on_event(event)

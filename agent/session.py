@@ -8,7 +8,8 @@ moment its closing tag arrives (`Executor`), and the turn's results go back in o
 message. A reply without calls is the answer. Recoverable problems (malformed
 calls, failed tools, refused approvals) are results the model reads; terminal ones
 (budgets, cancellation, a failing model) end the session with a status. The trace
-is written after every step, and always finished in a `finally`.
+is written from the session's events (`events.TraceRecorder`) as each step ends,
+and always finished in a `finally`.
 
 Training wraps this loop unchanged: a rollout is a session whose `TurnRecord`s
 carry the token ids and logprobs the trainer needs.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -69,7 +69,7 @@ class TurnRecord:
     messages: list[Message]  # the prompt of this turn
     output: TurnOutput
     calls: list[CallRecord]
-    t_start: float
+    t_start: float  # the session's clock (`events.Clock`)
     t_end: float
 
 
@@ -101,7 +101,7 @@ class Session:
         model: Model,
         workspace: Workspace,
         config: SessionConfig | None = None,
-        on_event: ev.EventSink | None = None,
+        on_event: ev.Subscriber | None = None,
         approver: Approver | None = None,
         traces: TraceStore | None = None,
         index: Index | None = None,
@@ -112,7 +112,6 @@ class Session:
         self.model = model
         self.workspace = workspace
         self.config = config or SessionConfig()
-        self.on_event = on_event
         self.approver = approver
         self.traces = traces
         self.id = session_id or uuid.uuid4().hex[:12]
@@ -124,6 +123,9 @@ class Session:
             on_file_changed=on_file_changed,
         )
         self.clock = ev.Clock()
+        # everything the session outputs goes through `emit` to these, in this order
+        self.subscribers: list[ev.Subscriber] = [ev.TraceRecorder(traces)] if traces else []
+        self.subscribers += [on_event] if on_event else []
         self.messages: list[Message] = []
         self.turns: list[TurnRecord] = []
         self.edits: list[Edit] = []
@@ -150,22 +152,16 @@ class Session:
             Message(role="system", content=system_prompt(style=self.prompt_style)),
             Message(role="user", content=user_message(query, context)),
         ]
-        if self.traces:
-            self.traces.start_session(
-                self.id,
-                workspace=self.workspace.root,
-                model=self.model.name,
-                sampling=vars(self.config.sampling) | {"stop": list(self.config.sampling.stop)},
-                query=query,
-            )
-            self.traces.set_meta(
-                self.id, prompt_style=self.prompt_style, tools=[s.name for s in specs.SPECS]
-            )
-        self._emit(
-            ev.SESSION_START,
+        self.emit(
+            ev.SessionStart,
             session_id=self.id,
             workspace=str(self.workspace.root),
             model=self.model.name,
+            started=self.clock.wall,
+            query=query,
+            sampling=vars(self.config.sampling) | {"stop": list(self.config.sampling.stop)},
+            prompt_style=self.prompt_style,
+            tools=tuple(s.name for s in specs.SPECS),
         )
         status, answer, error = "completed", "", None
         try:
@@ -220,8 +216,8 @@ class Session:
 
     async def _turn(self, turn: int) -> TurnRecord:
         sampling = self._fit_context()
-        t_start = time.time()
-        self._emit(ev.MODEL_START, turn=turn)
+        t_start = self.clock.now()
+        self.emit(ev.ModelStart, turn=turn)
         parser = StreamParser(_CHILDREN, _BARE)
         executor = Executor(
             self.ctx,
@@ -235,20 +231,23 @@ class Session:
         try:
             async for delta in stream:
                 if self.config.emit_deltas and delta:
-                    self._emit(ev.MODEL_DELTA, turn=turn, text=delta)
+                    self.emit(ev.ModelDelta, turn=turn, text=delta)
                 for call in parser.feed(delta):
                     executor.submit(call)
             for call in parser.close():
                 executor.submit(call)
             output = stream.output or TurnOutput(text=parser.text)
             self.completion_tokens += output.completion_tokens
-            self._emit(
-                ev.MODEL_END,
+            self.emit(
+                ev.ModelEnd,
                 turn=turn,
                 prompt_tokens=output.prompt_tokens,
                 completion_tokens=output.completion_tokens,
+                prompt=tuple(prompt),
+                output=output,
+                t_start=t_start,
             )
-            self._emit(ev.MESSAGE, turn=turn, text=output.text)
+            self.emit(ev.Message, turn=turn, text=output.text)
             calls = await executor.wait()
         except BaseException:
             await stream.aclose()
@@ -260,71 +259,37 @@ class Session:
             output=output,
             calls=calls,
             t_start=t_start,
-            t_end=time.time(),
+            t_end=self.clock.now(),
         )
         self.turns.append(record)
-        if self.traces:
-            self.traces.write_turn(
-                self.id,
-                turn,
-                messages=[m.as_dict() for m in prompt],
-                output=output,
-                t_start=t_start,
-                t_end=record.t_end,
-            )
         return record
 
     # -- tools ------------------------------------------------------------------
 
     def _on_call_start(self, rec: CallRecord) -> None:
         self.tool_calls += 1
-        self._emit(
-            ev.TOOL_START,
-            turn=rec.turn,
-            call_id=rec.call_id,
-            name=rec.name,
-            args=_event_args(rec.args),
-        )
+        args = _event_args(rec.args)
+        self.emit(ev.ToolStart, turn=rec.turn, call_id=rec.call_id, name=rec.name, args=args)
 
     def _on_call_end(self, rec: CallRecord) -> None:
-        turn, result = rec.turn, rec.result
+        result = rec.result
         assert result is not None
-        for edit in result.edits:
-            self.edits.append(edit)
-            self._emit(ev.EDIT, path=edit.path, diff=edit.diff, call_id=rec.call_id)
-            if self.traces:
-                self.traces.write_edit(
-                    self.id,
-                    len(self.edits),
-                    turn=turn,
-                    call_id=rec.call_id,
-                    path=edit.path,
-                    before=edit.before,
-                    after=edit.after,
-                    diff=edit.diff,
-                )
-        self._emit(
-            ev.TOOL_END,
-            turn=turn,
+        for e in result.edits:
+            self.edits.append(e)
+            self.emit(ev.Edit, path=e.path, diff=e.diff, call_id=rec.call_id, turn=rec.turn, before=e.before, after=e.after)  # fmt: skip
+        self.emit(
+            ev.ToolEnd,
+            turn=rec.turn,
             call_id=rec.call_id,
             name=rec.name,
             status=result.status,
             duration_s=rec.duration_s,
             output=cap(result.output, _EVENT_OUTPUT_LIMIT),
+            index=rec.index,
+            arguments=rec.args,
+            result=result.output,
+            t_start=self.clock.since(rec.t_start),
         )
-        if self.traces:
-            self.traces.write_call(
-                self.id,
-                turn,
-                call_id=rec.call_id,
-                index=rec.index,
-                name=rec.name,
-                args=rec.args,
-                status=result.status,
-                result=result.output,
-                t_start=rec.t_start,
-                t_end=rec.t_end,
-            )
 
     def needs_approval(self, spec: specs.ToolSpec, args: dict[str, Any]) -> bool:
         """The one approval policy of every front door: `all` runs every call, `none`
@@ -407,37 +372,30 @@ class Session:
 
     # -- events and the end -------------------------------------------------------
 
-    def _emit(self, type_: str, **fields: Any) -> None:
-        if self.on_event is None:
-            return
-        try:
-            self.on_event(ev.make(self.clock, type_, **fields))
-        except Exception:
-            log.exception("event sink failed on %s", type_)
+    def emit(self, kind: type[ev.Event], **fields: Any) -> None:
+        """The session's one output: an event stamped on its clock, to every subscriber
+        (a failing subscriber is logged; it never stops the session or the others)."""
+        event = kind(t=self.clock.now(), **fields)
+        for subscriber in self.subscribers:
+            try:
+                subscriber(event)
+            except Exception:
+                log.exception("a subscriber of session %s failed on %s", self.id, kind.type)
 
     def _finish(self, status: str, answer: str, error: str | None) -> SessionResult:
         trace = self.traces.ref(self.id) if self.traces else ""
-        if self.traces:
-            try:
-                self.traces.end_session(
-                    self.id,
-                    status=status,
-                    answer=answer or (error or ""),
-                    turns=len(self.turns),
-                    tool_calls=self.tool_calls,
-                )
-            except Exception:
-                log.exception("could not finish the trace of %s", self.id)
         duration = self.clock.now()
         if error:
-            self._emit(ev.MESSAGE, turn=len(self.turns), text=f"[{status}] {error}")
-        self._emit(
-            ev.SESSION_END,
+            self.emit(ev.Message, turn=len(self.turns), text=f"[{status}] {error}")
+        self.emit(
+            ev.SessionEnd,
             status=status,
             turns=len(self.turns),
             tool_calls=self.tool_calls,
             duration_s=duration,
             trace=trace,
+            answer=answer,
+            error=error,
         )
         return SessionResult(
             session_id=self.id,

@@ -45,7 +45,7 @@ async def parallel_sleeps(root: Path) -> None:
         model=ScriptedModel([msg, "done"]),
         workspace=LocalWorkspace(root),
         config=SessionConfig(approve="all"),
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
     )
     await session.run("sleep")
     starts = [e["t"] for e in events if e["type"] == "tool_start"]
@@ -97,7 +97,7 @@ async def streaming_start(root: Path) -> None:
         model=model,
         workspace=LocalWorkspace(root),
         config=SessionConfig(approve="all"),
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
     )
     await session.run("look")
     t0 = session.clock.start

@@ -203,7 +203,9 @@ async def bench_search_cost(server: EnvironmentServer, tmp: Path, repeats: int) 
             r = await server.run_episode(
                 task,
                 model_spec_or_factory=spec,
-                on_event=lambda e, ends=ends: ends.append(e) if e["type"] == "tool_end" else None,
+                on_event=lambda e, ends=ends: (
+                    ends.append(e.to_wire()) if e.type == "tool_end" else None
+                ),
             )
             assert r.metrics["tool_calls"] == 2 and r.status == "completed", r
             assert all(e["status"] == "ok" for e in ends), ends

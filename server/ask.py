@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.events import Event
+from opencomposer.agent import events as ev
 
 
 class JsonView:
-    def __call__(self, event: Event) -> None:
-        sys.stdout.write(json.dumps(event, ensure_ascii=False) + "\n")
+    """The documented JSON-lines stream (`to_wire`), one event a line."""
+
+    def __call__(self, event: ev.Event) -> None:
+        sys.stdout.write(json.dumps(event.to_wire(), ensure_ascii=False) + "\n")
         sys.stdout.flush()
 
     def close(self) -> None:
@@ -48,49 +50,47 @@ class HumanView:
             self.console.print()
             self.streaming = False
 
-    def __call__(self, e: Event) -> None:
+    def __call__(self, e: ev.Event) -> None:
         from rich.markup import escape
         from rich.syntax import Syntax
 
-        if e["type"] in ("tool_start", "tool_end", "edit"):
+        if isinstance(e, ev.ToolStart | ev.ToolEnd | ev.Edit):
             self._end_stream()
-        match e["type"]:
-            case "session_start":
+        match e:
+            case ev.SessionStart():
                 self.console.print(
-                    f"[bold]opencomposer[/] {e['model']} in {e['workspace']}  [dim]{e['session_id']}[/]"
+                    f"[bold]opencomposer[/] {e.model} in {e.workspace}  [dim]{e.session_id}[/]"
                 )
-            case "model_start":
-                self._spin(f"thinking (turn {e['turn']})")
-            case "model_delta":
+            case ev.ModelStart():
+                self._spin(f"thinking (turn {e.turn})")
+            case ev.ModelDelta():
                 self._stop_spin()
-                self.console.print(escape(e["text"]), end="", style="cyan")
+                self.console.print(escape(e.text), end="", style="cyan")
                 self.streaming = True
-            case "model_end":
+            case ev.ModelEnd():
                 self._end_stream()
                 self.console.print(
-                    f"[dim]  turn {e['turn']}: {e['prompt_tokens']} prompt + {e['completion_tokens']} completion tokens[/]"
+                    f"[dim]  turn {e.turn}: {e.prompt_tokens} prompt + {e.completion_tokens} completion tokens[/]"
                 )
-            case "tool_start":
-                args = " ".join(f"{k}={_short(v)}" for k, v in e["args"].items())
-                self.console.print(f"[yellow]→ {e['name']}[/] {escape(args)}")
-            case "tool_end":
-                mark = "[green]✓[/]" if e["status"] == "ok" else "[red]✗[/]"
-                self.console.print(f"{mark} {e['name']} [dim]{e['duration_s'] * 1000:.0f} ms[/]")
-            case "edit":
-                self.console.print(f"[magenta]edited {e['path']}[/]")
-                self.console.print(Syntax(e["diff"] or "(no change)", "diff", theme="ansi_dark"))
-            case "message":
-                pass
-            case "session_end":
+            case ev.ToolStart():
+                args = " ".join(f"{k}={_short(v)}" for k, v in e.args.items())
+                self.console.print(f"[yellow]→ {e.name}[/] {escape(args)}")
+            case ev.ToolEnd():
+                mark = "[green]✓[/]" if e.status == "ok" else "[red]✗[/]"
+                self.console.print(f"{mark} {e.name} [dim]{e.duration_s * 1000:.0f} ms[/]")
+            case ev.Edit():
+                self.console.print(f"[magenta]edited {e.path}[/]")
+                self.console.print(Syntax(e.diff or "(no change)", "diff", theme="ansi_dark"))
+            case ev.SessionEnd():
                 self._stop_spin()
                 self._end_stream()
-                colour = "green" if e["status"] == "completed" else "red"
+                colour = "green" if e.status == "completed" else "red"
                 self.console.print(
-                    f"[{colour}]{e['status']}[/] after {e['turns']} turns, {e['tool_calls']} tool calls, "
-                    f"{e['duration_s']:.1f} s"
+                    f"[{colour}]{e.status}[/] after {e.turns} turns, {e.tool_calls} tool calls, "
+                    f"{e.duration_s:.1f} s"
                 )
-                if e["trace"]:
-                    self.console.print(f"[dim]trace: {e['trace']}[/]")
+                if e.trace:
+                    self.console.print(f"[dim]trace: {e.trace}[/]")
 
     def close(self) -> None:
         self._stop_spin()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lsprotocol import types as lsp
+from opencomposer.agent import events as ev
 from opencomposer.agent.indexing import IndexHandle
 from opencomposer.server import lsp_commands as cmds
 from opencomposer.server.workspace_overlay import EditorLink, EditorWorkspace
@@ -454,10 +455,10 @@ class ComposerServer(LanguageServer):
 
     # -- sessions --------------------------------------------------------------
 
-    def _forward(self, session_id: str, event: dict[str, Any]) -> None:
+    def _forward(self, session_id: str, event: ev.Event) -> None:
         if self.closed:
             return
-        self.protocol.notify(EVENT, {**event, "session_id": session_id})
+        self.protocol.notify(EVENT, {**event.to_wire(), "session_id": session_id})
         running = self.shared.running.get(session_id)
         if running is not None and running.progress is not None:
             message = _progress_message(event)
@@ -578,12 +579,12 @@ class ComposerServer(LanguageServer):
         body["edits"] = [e.path for e in result.edits]
         return body
 
-    def _on_event(self, session_id: str, event: dict[str, Any], root: Path, reveal: bool) -> None:
+    def _on_event(self, session_id: str, event: ev.Event, root: Path, reveal: bool) -> None:
         self._forward(session_id, event)
         window = self.client_capabilities.window
         can_show = bool(window and window.show_document and window.show_document.support)
-        if reveal and can_show and event.get("type") == "edit" and not self.closed:
-            asyncio.ensure_future(self._reveal(root, event["path"]))
+        if reveal and can_show and isinstance(event, ev.Edit) and not self.closed:
+            asyncio.ensure_future(self._reveal(root, event.path))
 
     def cmd_cancel(self, args: cmds.CancelArgs) -> dict[str, Any]:
         chosen = [
@@ -776,22 +777,16 @@ def _parse(name: str, arguments: tuple[Any, ...]) -> Any:
         raise JsonRpcInvalidParams(message=str(e)) from None
 
 
-def _progress_message(event: dict[str, Any]) -> str | None:
-    kind = event.get("type")
-    if kind == "model_start":
-        return f"thinking (turn {event['turn']})"
-    if kind == "tool_start":
-        args = event.get("args") or {}
-        detail = (
-            args.get("path")
-            or args.get("pattern")
-            or args.get("query")
-            or args.get("command")
-            or ""
-        )
-        return f"{event['name']} {str(detail)[:60]}".strip()
-    if kind == "edit":
-        return f"edited {event['path']}"
+def _progress_message(event: ev.Event) -> str | None:
+    match event:
+        case ev.ModelStart():
+            return f"thinking (turn {event.turn})"
+        case ev.ToolStart(args=args):
+            keys = ("path", "pattern", "query", "command")
+            detail = next((args[k] for k in keys if args.get(k)), "")
+            return f"{event.name} {str(detail)[:60]}".strip()
+        case ev.Edit():
+            return f"edited {event.path}"
     return None
 
 

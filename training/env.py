@@ -68,6 +68,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from opencomposer.agent.events import Edit, Event, ModelEnd, ToolEnd, ToolStart
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training.snapshot_index import SnapshotIndexes
 from opencomposer.training.tasks import ANSWER_FILE, Task, TaskError, safe_extract
@@ -686,7 +687,7 @@ class EnvironmentServer:
         *,
         model_spec_or_factory: Any,
         session_config: Any = None,
-        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[Event], None] | None = None,
         traces: Any = None,
     ) -> EpisodeResult:
         """Run the production Session on a fresh copy of the task and grade it.
@@ -744,7 +745,7 @@ class EnvironmentServer:
         t0 = time.monotonic()
         metrics = EpisodeMetrics()
 
-        def sink(event: dict[str, Any]) -> None:
+        def sink(event: Event) -> None:
             metrics.observe(event)
             if on_event is not None:
                 on_event(event)
@@ -849,33 +850,29 @@ class EpisodeMetrics:
         self.searches_before_edit = 0
         self.edited = False
         self.edit_failures = 0
-        self.names: dict[str, str] = {}
 
-    def observe(self, e: dict[str, Any]) -> None:
-        kind = e.get("type")
-        if kind == "model_end":
-            self.turns += 1
-            self.prompt_tokens += int(e.get("prompt_tokens") or 0)
-            self.completion_tokens += int(e.get("completion_tokens") or 0)
-        elif kind == "tool_start":
-            name = e.get("name", "")
-            self.names[str(e.get("call_id"))] = name
-            self.tool_calls += 1
-            self.calls_per_turn[e.get("turn", 0)] = self.calls_per_turn.get(e.get("turn", 0), 0) + 1
-            if not self.edited and name in ("read_file", "list_dir"):
-                self.reads_before_edit += 1
-            if not self.edited and name in ("grep", "glob", "codebase_search"):
-                self.searches_before_edit += 1
-            if name in EDIT_TOOLS:
+    def observe(self, e: Event) -> None:
+        match e:
+            case ModelEnd():
+                self.turns += 1
+                self.prompt_tokens += e.prompt_tokens
+                self.completion_tokens += e.completion_tokens
+            case ToolStart(name=name):
+                self.tool_calls += 1
+                self.calls_per_turn[e.turn] = self.calls_per_turn.get(e.turn, 0) + 1
+                if not self.edited and name in ("read_file", "list_dir"):
+                    self.reads_before_edit += 1
+                if not self.edited and name in ("grep", "glob", "codebase_search"):
+                    self.searches_before_edit += 1
+                if name in EDIT_TOOLS:
+                    self.edited = True
+            case ToolEnd():
+                if e.status == "ok":
+                    self.tool_ok += 1
+                elif e.name in EDIT_TOOLS:
+                    self.edit_failures += 1
+            case Edit():
                 self.edited = True
-        elif kind == "tool_end":
-            name = e.get("name") or self.names.get(str(e.get("call_id")), "")
-            if e.get("status") == "ok":
-                self.tool_ok += 1
-            elif name in EDIT_TOOLS:
-                self.edit_failures += 1
-        elif kind == "edit":
-            self.edited = True
 
     def summary(self) -> dict[str, float]:
         per_turn = list(self.calls_per_turn.values())

@@ -82,7 +82,7 @@ def rollout_from_episode(result: Any, *, group: int = 0, index: int = 0) -> Roll
     that the loss masks them out; a turn without token ids (a backend that gives
     none) makes the rollout unusable for training (``error``)."""
     status = str(getattr(result, "status", "error"))
-    turns = [turn_from(t) for t in getattr(result, "turns", []) or []]
+    turns = [turn_from(t.output) for t in getattr(result, "turns", []) or []]
     r = Rollout(
         task_id=str(getattr(result, "task_id", "")),
         group=group,

@@ -41,9 +41,12 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from opencomposer.training.advantages import Estimator, group_advantages
+
+if TYPE_CHECKING:
+    from opencomposer.agent.protocols import TurnOutput
 
 Status = Literal["ok", "error", "timeout", "aborted"]
 
@@ -115,13 +118,33 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
-def turn_from(record: Any) -> Turn | None:
-    """A ``Turn`` from a ``TurnOutput``, a session ``TurnRecord`` (``.output``) or a
-    trace dict; None when the backend gave no token ids."""
-    out = _get(record, "output", None) or record
-    prompt = _get(out, "prompt_token_ids")
-    completion = _get(out, "completion_token_ids")
-    logprobs = _get(out, "completion_logprobs")
+def turn_from(output: TurnOutput) -> Turn | None:
+    """A ``Turn`` from a session turn's model output (``TurnRecord.output``, the
+    ``ModelEnd`` event's ``output``); None when the backend gave no token ids."""
+    return _turn(
+        output.prompt_token_ids,
+        output.completion_token_ids,
+        output.completion_logprobs,
+        output.weight_version,
+    )
+
+
+def turn_from_trace(row: dict[str, Any]) -> Turn | None:
+    """A ``Turn`` from a turn of a stored trace (``TraceStore.export``)."""
+    return _turn(
+        row.get("prompt_token_ids"),
+        row.get("completion_token_ids"),
+        row.get("completion_logprobs"),
+        row.get("weight_version"),
+    )
+
+
+def _turn(
+    prompt: list[int] | None,
+    completion: list[int] | None,
+    logprobs: list[float] | None,
+    version: int | None,
+) -> Turn | None:
     if prompt is None or completion is None or logprobs is None:
         return None
     if len(logprobs) != len(completion):
@@ -130,7 +153,7 @@ def turn_from(record: Any) -> Turn | None:
         prompt_ids=list(prompt),
         completion_ids=list(completion),
         logprobs=[float(x) for x in logprobs],
-        weight_version=_get(out, "weight_version"),
+        weight_version=version,
     )
 
 

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opencomposer.training.rollouts import Rollout, Sample, Turn, samples_from_rollout, turn_from
+from opencomposer.training.rollouts import (
+    Rollout,
+    Sample,
+    Turn,
+    samples_from_rollout,
+    turn_from_trace,
+)
 
 
 @dataclass(kw_only=True)
@@ -104,7 +110,7 @@ def samples_from_traces(
             continue
         turns: list[Turn | None] = []
         for t in tr.get("turns", []):
-            turn = turn_from(t)
+            turn = turn_from_trace(t)
             if turn is None and tokenizer is not None and not t.get("redacted"):
                 turn = tokenizer.turn(t.get("messages") or [], t.get("text") or "")
             turns.append(turn)

@@ -30,7 +30,7 @@ async def test_search_sees_the_sessions_own_edits(repo: Path, embedder_env: Path
         model=model,
         workspace=LocalWorkspace(repo),
         config=SessionConfig(approve="all", emit_deltas=False),
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
     )
     result = await session.run("add a zebra feeder")
     assert result.status == "completed"

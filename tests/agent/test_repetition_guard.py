@@ -102,7 +102,7 @@ async def test_session_ends_with_repetition_status(tmp_path: Path) -> None:
         model=model,
         workspace=LocalWorkspace(tmp_path),
         config=SessionConfig(approve="all"),
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
     )
     result = await session.run("fix the bug")
     assert result.status == "repetition"

@@ -28,7 +28,7 @@ async def run(model, repo, store=None, query="fix add", **kw):
         model=model,
         workspace=LocalWorkspace(repo),
         config=cfg,
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
         traces=store,
         **kw,
     )

@@ -28,7 +28,7 @@ async def test_codebase_search_in_an_agent_session(workspace: Path, embedder_env
         model=model,
         workspace=LocalWorkspace(workspace),
         config=SessionConfig(emit_deltas=False),
-        on_event=events.append,
+        on_event=lambda e: events.append(e.to_wire()),
     )
     result = await session.run("where do we retry?")
     assert result.status == "completed"

@@ -63,7 +63,9 @@ async def test_episode_resolves_with_reward_and_metrics(server, tmp_path: Path) 
     task = _task(tmp_path, reward={"verify": 0.8, "tool_call": 0.2})
     model = _model(tmp_path, '<read_file path="calc.py"/>\n<grep pattern="add"/>', FIX, "Fixed.")
     events: list[dict] = []
-    r = await server.run_episode(task, model_spec_or_factory=model, on_event=events.append)
+    r = await server.run_episode(
+        task, model_spec_or_factory=model, on_event=lambda e: events.append(e.to_wire())
+    )
     assert (r.status, r.resolved, r.reward) == ("completed", True, 1.0), r
     assert r.answer == "Fixed."
     m = r.metrics
@@ -240,8 +242,8 @@ async def test_dying_actor_retries_then_fails_never_hangs(tmp_path: Path) -> Non
         task = _task(tmp_path)
         killed = []
 
-        def kill_on_first_tool(event: dict) -> None:
-            if event["type"] == "tool_start" and not killed:
+        def kill_on_first_tool(event) -> None:
+            if event.type == "tool_start" and not killed:
                 killed.append(1)
                 ray.kill(srv.actors[0], no_restart=False)
 

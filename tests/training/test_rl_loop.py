@@ -170,7 +170,9 @@ def test_episode_results_map_to_rollouts():
     assert rollout_from_episode(Res()).status == "timeout"
     Res.status = "env_error"
     assert rollout_from_episode(Res()).status == "error"
-    Res.status, Rec.output = "completed", type("NoIds", (), {"prompt_token_ids": None})()
+    from opencomposer.agent.protocols import TurnOutput
+
+    Res.status, Rec.output = "completed", TurnOutput(text="no token ids")
     assert rollout_from_episode(Res()).status == "error"
 
 
