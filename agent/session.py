@@ -28,6 +28,7 @@ from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
 from opencomposer.agent.protocols import Message, Model, ModelError, Sampling, TurnOutput
+from opencomposer.agent.text import valid_text
 from opencomposer.agent.traces import TraceStore
 from opencomposer.agent.xmlcalls import StreamParser
 from opencomposer.tools import specs
@@ -148,6 +149,7 @@ class Session:
 
     async def run(self, query: str, context: str | None = None) -> SessionResult:
         self._task = asyncio.current_task()
+        query, context = valid_text(query), context and valid_text(context)
         self.messages = [
             Message(role="system", content=system_prompt(style=self.prompt_style)),
             Message(role="user", content=user_message(query, context)),

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cattrs.errors import ClassValidationError
+from opencomposer.agent.text import valid_text
 from pygls.exceptions import JsonRpcException
 
 log = logging.getLogger("opencomposer.server")
@@ -155,7 +156,7 @@ def _mend_surrogates(body: bytes) -> bytes:
 
 def _mended(value: Any) -> Any:
     if isinstance(value, str):
-        return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        return valid_text(value)
     if isinstance(value, list):
         return [_mended(v) for v in value]
     if isinstance(value, dict):

@@ -24,28 +24,16 @@ ends with status `repetition` instead of spending its whole token budget).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from opencomposer.agent.protocols import ModelError, TurnOutput
+from opencomposer.agent.text import valid_text
 
 Emit = Callable[[str], None]
 Producer = Callable[[TurnOutput, Emit], Awaitable[None]]
 
 _DONE = object()
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def valid_text(text: str) -> str:
-    """`text` as UTF-8 can carry it: surrogate pairs joined, lone surrogates U+FFFD.
-
-    A model's text enters the system through `emit`, so this is where a broken
-    escape in an OpenAI-style stream (or a scripted turn) is mended, before the
-    parser, the trace store or a JSON event meets it."""
-    if _SURROGATE.search(text) is None:
-        return text
-    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 class RepetitionGuard:

@@ -1,13 +1,14 @@
-"""Model text that UTF-8 cannot carry (lone UTF-16 surrogates) is mended where it
-enters the system, the backend stream, so a session with such a reply still runs its
-calls, writes its trace and completes."""
+"""Text that UTF-8 cannot carry (lone UTF-16 surrogates) is mended where it enters the
+system (the backend stream, the session's query), so a session with such a reply or
+request still runs its calls, writes its trace and completes."""
 
 from __future__ import annotations
 
 import json
 
-from opencomposer.agent.backends._stream import TaskStream, valid_text
+from opencomposer.agent.backends._stream import TaskStream
 from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.agent.text import valid_text
 from opencomposer.tools.workspace import LocalWorkspace
 
 from tests.agent.conftest import scripted
@@ -52,3 +53,19 @@ def test_valid_text_keeps_valid_text_and_mends_the_rest():
     assert valid_text("plain é 😀") == "plain é 😀"
     assert valid_text("\ud83d\ude00") == "😀"
     assert valid_text("x\udc00y\ud800") == "x\ufffdy\ufffd"
+
+
+async def test_a_query_with_a_lone_surrogate_is_traced(repo, store):
+    """A non-UTF-8 byte in `opencomposer ask`'s argument arrives as a lone surrogate
+    (surrogateescape); the session's trace must still be written."""
+    session = Session(
+        model=scripted("ok"),
+        workspace=LocalWorkspace(repo),
+        config=SessionConfig(approve="all"),
+        traces=store,
+    )
+    result = await session.run("fix \udcff please", context="file \ud800")
+    assert result.status == "completed"
+    trace = store.export(result.session_id)
+    assert trace["query"] == "fix \ufffd please"
+    assert "\ud800" not in json.dumps(trace["turns"][0]["messages"], ensure_ascii=False)
