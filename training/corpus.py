@@ -363,11 +363,11 @@ class TestEnv:
         )
 
     def command(self, args: Iterable[str]) -> str:
-        """The command a person would type to run these tests (no -q, no plugin guards)."""
-        path = "PYTHONPATH=" + ":".join(self.pythonpath) + " " if self.pythonpath else ""
+        """The command a person would type to run these tests (no -q, no plugin guards;
+        no PYTHONPATH: the root conftest.py puts the paths on sys.path, `path_shim`)."""
         needed = self.pytest_args[len(ALWAYS_ARGS) :]
         quoted = " ".join(shlex.quote(a) for a in [*needed, *args])
-        return f"{path}python -m pytest {quoted}".rstrip()
+        return f"python -m pytest {quoted}".rstrip()
 
 
 def _source(spec: ProjectSpec) -> str:
@@ -433,6 +433,33 @@ def install_deps(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     (target / ".gitignore").write_text("*\n")  # installed code: not the agent's to search
     env.pythonpath.append(DEPS_DIR)
     env.notes.append("installed into .deps")
+
+
+_SHIM_MARK = "# opencomposer: test environment"
+_SHIM = """{mark}: the project's source and its installed dependencies first
+# on sys.path, as in a development install, so `python -m pytest` works as it is.
+import os as _os
+import sys as _sys
+
+for _p in reversed({paths!r}):
+    _p = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), _p)
+    if _p not in _sys.path:
+        _sys.path.insert(0, _p)
+"""
+
+
+def path_shim(root: Path, pythonpath: list[str]) -> None:
+    """Put `pythonpath` (workspace-relative) on sys.path from the root conftest.py
+    (prepended to the project's own), so the tests run without PYTHONPATH too: an
+    agent that runs plain `python -m pytest` sees what verify sees."""
+    if not pythonpath:
+        return
+    conftest = root / "conftest.py"
+    existing = conftest.read_text(encoding="utf-8") if conftest.is_file() else ""
+    if existing.startswith(_SHIM_MARK):
+        return
+    shim = _SHIM.format(mark=_SHIM_MARK, paths=list(pythonpath))
+    conftest.write_text(shim + ("\n" + existing if existing else ""), encoding="utf-8")
 
 
 def _dependency_groups(root: Path) -> list[str]:
@@ -564,6 +591,7 @@ async def _build(
         env.notes.append("src layout")
     progress("installing", force=True)
     await asyncio.to_thread(install_deps, work, spec, env)
+    path_shim(work, env.pythonpath)
 
     limit = spec.limit or settings.limit
     max_attempts = settings.max_attempts or 5 * limit
@@ -652,32 +680,44 @@ async def _baseline(
     try:
         return await mining.baseline(scratch, cfg, plugin_dir, spec.name)
     except TaskError as e:
-        first = f"{e} {getattr(e, 'output', '')}"
+        first = getattr(e, "output", "") or str(e)
     neutral = mining.MineConfig(
         **{**cfg.__dict__, "pytest_args": (*cfg.pytest_args, *NEUTRAL_ADDOPTS)}
     )
     try:
         base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
     except TaskError as e:
-        raise Skip(_why_no_tests(f"{first} {e} {getattr(e, 'output', '')}", env)) from None
+        raise Skip(_why_no_tests(first, getattr(e, "output", "") or str(e), env)) from None
     env.pytest_args += list(NEUTRAL_ADDOPTS)
     env.notes.append("addopts neutralised")
     return base
 
 
-def _why_no_tests(output: str, env: TestEnv) -> str:
-    if _NETWORK.search(output):
+def _why_no_tests(as_configured: str, neutralised: str, env: TestEnv) -> str:
+    """The one-line reason a suite had no passing test, from pytest's output as
+    configured and with foreign addopts neutralised."""
+    both = f"{as_configured}\n{neutralised}"
+    if _NETWORK.search(both):
         return "tests need the network"
     failed_install = next((n for n in env.notes if n.startswith("install failed")), "")
     if failed_install:
         return failed_install
-    m = re.search(r"(ModuleNotFoundError: No module named '[^']+')", output)
+    m = re.search(r"(ModuleNotFoundError: No module named '[^']+')", both)
     if m:
-        return f"no passing tests: {m.group(1)}"
-    if "no test files found" in output:
+        return f"a test dependency is missing: {m.group(1)}"
+    if "no test files found" in both:
         return "no tests in the source"
-    tail = output.split("(pytest:", 1)[-1]
-    return f"no passing tests: {_line(tail)[-160:]}"
+    if "SystemExit" in neutralised:
+        return "a test module exits while pytest imports it (e.g. unittest.main() unguarded)"
+    m = re.search(r"ERROR collecting (\S+)", neutralised)
+    if m:
+        errors = [ln[1:].strip() for ln in neutralised.splitlines() if ln.startswith("E ")]
+        return f"tests do not collect ({m.group(1)}): {errors[-1] if errors else 'error'}"[:200]
+    internal = [ln for ln in neutralised.splitlines() if ln.startswith("INTERNALERROR>")]
+    if internal:
+        return f"pytest internal error: {_line(internal[-1].removeprefix('INTERNALERROR>'))}"[:200]
+    lines = [ln.strip() for ln in neutralised.splitlines() if ln.strip()]
+    return f"no passing tests: {_line(lines[-1]) if lines else 'pytest printed nothing'}"[:200]
 
 
 def _pairs(
@@ -874,6 +914,7 @@ def mine_repo(repo: Path | str, *, out: Path | str, limit: int = 10, seed: int =
             env.pythonpath.append("src")
         try:
             install_deps(work, spec, env)
+            path_shim(work, env.pythonpath)
             return asyncio.run(
                 _mine_repo(work, Path(tmp), Path(out), spec, settings, env, limit, seed)
             )

@@ -163,6 +163,7 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
     with tarfile.open(out / "projects" / "tinylib" / "snapshot.tar") as tar:
         names = tar.getnames()
         assert tar.extractfile("src/tinylib/core.py").read().decode() == CORE  # type: ignore[union-attr]
+    assert "conftest.py" in names  # the sys.path shim (path_shim)
     assert not any(n.startswith(".deps/tinylib/") for n in names)  # the installed copy is gone
     assert any(n.startswith(".deps/tinylib-0.3.0.dist-info") for n in names)  # its metadata stays
     rows = [json.loads(line) for line in (out / "projects" / "tinylib" / "tasks.jsonl").open()]
@@ -171,6 +172,7 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
     for r in rows:
         assert "test_" not in r["queries"]["issue"], r["queries"]["issue"]
         assert "-o addopts=" in r["verify"] and "PYTHONPATH=src:.deps" in r["verify"]
+        assert "`python -m pytest -o addopts= -o required_plugins= tests/" in r["queries"]["test"]
 
     # Export: plain task folders the loader reads; each fails as written, passes fixed.
     tasks = corpus.export(out, tmp_path / "tasks")
@@ -195,6 +197,9 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
         else:
             _fix(ws, sol["edits"])
         assert asyncio.run(_run(task.verify, ws)) == 0, task.id
+        # without PYTHONPATH too, as an agent would run it: the root conftest.py shim
+        plain = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -q -o addopts= tests/test_core.py"
+        assert asyncio.run(_run(plain, ws)) == 0, task.id
     assert corpus.export(out, tmp_path / "none", split="train") == []
 
     # Resume: a built project is not built again.
