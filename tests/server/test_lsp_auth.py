@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIX
 from lsp_harness import REPO, SERVER, Editor, scripted, server_env
 from opencomposer.server import lsp_auth
 
@@ -205,7 +204,7 @@ def test_a_non_loopback_address_needs_allow_remote(home):
 
 
 def test_allow_remote_listens_with_a_warning(home, tmp_path):
-    spec = scripted(tmp_path / "fix.json", [FIX, "done"])
+    spec = scripted(tmp_path / "done.json", ["done"])
     proc = subprocess.Popen(
         [*SERVER, "--tcp", "0.0.0.0:0", "--allow-remote", "--model", spec],
         stderr=subprocess.PIPE,
