@@ -63,8 +63,8 @@ class SessionStart(Event):
     started: float = local(0.0)  # wall-clock time at t = 0
     query: str = local("")
     sampling: dict[str, Any] = local(default_factory=dict)
+    tools: tuple[str, ...]  # the tools the session offers (clients hide their XML)
     prompt_style: str = local("")
-    tools: tuple[str, ...] = local(())
 
 
 @dataclass(frozen=True, kw_only=True)

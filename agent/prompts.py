@@ -13,7 +13,8 @@ Two styles of system prompt:
 
 from __future__ import annotations
 
-from opencomposer.tools.specs import SPECS, ToolSpec, render_prompt
+from opencomposer.tools import specs as registry
+from opencomposer.tools.specs import ToolSpec, render_prompt
 
 SYSTEM = """You are opencomposer, a coding agent working in the user's repository.
 You act by writing tool calls as XML elements in your reply. Short parameters are
@@ -25,10 +26,8 @@ When the task is done, reply with a short answer and no tool call.
 
 Rules:
 - Paths are relative to the repository root.
-- Edit with edit_file: <old> must match the file once; include enough context.
 - Do not put tool calls inside ``` code fences.
-- Run tests with run_terminal to check your change when the project has tests.
-
+{rules}
 # Tools
 
 {tools}
@@ -47,12 +46,15 @@ Tools:
 STYLES = ("full", "compact")
 
 
-def system_prompt(specs: tuple[ToolSpec, ...] = SPECS, *, style: str = "full") -> str:
+def system_prompt(specs: tuple[ToolSpec, ...] | None = None, *, style: str = "full") -> str:
+    """The system prompt over `specs` (default: every registered tool)."""
+    specs = registry.SPECS if specs is None else specs
     if style == "compact":
         return COMPACT.format(tools=render_prompt(specs, compact=True))
     if style != "full":
         raise ValueError(f"unknown prompt style {style!r}: expected {' or '.join(STYLES)}")
-    return SYSTEM.format(tools=render_prompt(specs))
+    rules = "".join(f"- {s.rule}\n" for s in specs if s.rule)
+    return SYSTEM.format(tools=render_prompt(specs), rules=rules)
 
 
 def user_message(query: str, context: str | None = None) -> str:

@@ -18,6 +18,7 @@ carry the token ids and logprobs the trainer needs.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,10 +42,6 @@ Policy = Literal["none", "safe", "all"]
 Approver = Callable[[str, dict[str, Any]], Awaitable[Approval]]
 POLICIES: tuple[str, ...] = ("none", "safe", "all")
 _EVENT_OUTPUT_LIMIT = 4_000  # characters of a tool result that live views get in tool_end
-_CHILDREN = {s.name: s.child_names for s in specs.SPECS}
-_BARE = {
-    s.name: kids[0].name for s in specs.SPECS if len(kids := [p for p in s.params if p.child]) == 1
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +217,7 @@ class Session:
         sampling = self._fit_context()
         t_start = self.clock.now()
         self.emit(ev.ModelStart, turn=turn)
-        parser = StreamParser(_CHILDREN, _BARE)
+        parser = StreamParser(*specs.parser_rules())
         executor = Executor(
             self.ctx,
             turn=turn,
@@ -295,9 +292,9 @@ class Session:
 
     def needs_approval(self, spec: specs.ToolSpec, args: dict[str, Any]) -> bool:
         """The one approval policy of every front door: `all` runs every call, `none`
-        asks about each, `safe` runs read-only tools and allowlisted read-only commands
-        and asks about the rest, file changes included unless the client applies
-        edits where the user reviews them (`auto_apply_edits`)."""
+        asks about each, `safe` runs read-only tools and the calls their spec's `safe`
+        check allows (read-only commands) and asks about the rest: file changes too,
+        unless the client applies edits where the user reviews them (`auto_apply_edits`)."""
         policy = self.config.approve
         if policy == "all":
             return False
@@ -305,17 +302,15 @@ class Session:
             return True
         if spec.read_only:
             return False
-        if spec.footprint(args).terminal:
-            from opencomposer.tools.terminal import is_safe_command
-
-            return not is_safe_command(args.get("command", ""), self.workspace.root)
-        return not self.config.auto_apply_edits
+        if spec.kind == "edit":
+            return not self.config.auto_apply_edits
+        return spec.safe is None or not spec.safe(args, self.workspace.root)
 
     async def _gate(self, spec: specs.ToolSpec, args: dict[str, Any]) -> str | None:
         if not self.needs_approval(spec, args):
             return None
-        command = spec.footprint(args).terminal
-        key = f"{spec.name}:{args.get('command', '')}" if command else spec.name
+        # "always" covers the tool, or for one with a safety check these exact arguments
+        key = spec.name + (json.dumps(args, sort_keys=True) if spec.safe else "")
         async with self._approval_lock:
             if key in self._always:
                 return None

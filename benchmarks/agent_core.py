@@ -101,10 +101,10 @@ async def streaming_start(root: Path) -> None:
     )
     await session.run("look")
     t0 = session.clock.start
-    from opencomposer.agent.session import _BARE, _CHILDREN
     from opencomposer.agent.xmlcalls import parse_all
+    from opencomposer.tools.specs import parser_rules
 
-    calls = parse_all(msg, _CHILDREN, _BARE)
+    calls = parse_all(msg, *parser_rules())
     starts = [e["t"] for e in events if e["type"] == "tool_start"][: len(calls)]
     msg_end = next(e["t"] for e in events if e["type"] == "model_end")
     lat = []

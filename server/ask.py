@@ -97,7 +97,7 @@ class HumanView:
 
     def approve(self, name: str, args: dict[str, Any]) -> str:
         self._stop_spin()
-        what = args.get("command") if name == "run_terminal" else f"{name} {args.get('path', '')}"
+        what = "\n  ".join(f"{k}: {v}" for k, v in args.items())  # whole: the user decides on it
         self.console.print(f"[bold yellow]approve[/] {name}: ", end="")
         self.console.print(_visible(str(what)), highlight=False)
         answer = input("  run? [y]es / [a]lways / [n]o: ").strip().lower()

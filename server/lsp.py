@@ -474,7 +474,7 @@ class ComposerServer(LanguageServer):
         key = f"{name}:{command}"
         if key in self.always:
             return "run"
-        if name == "run_terminal":
+        if command:
             what = f"run `{command[:500]}`"
         else:
             detail = args.get("path") or args.get("pattern") or args.get("query") or ""

@@ -2,8 +2,15 @@
 
 A `ToolSpec` is the single source for a tool's prompt text (`render_prompt`),
 for how the streaming parser reads its parameters (attribute or raw child
-element), for argument validation (`ToolSpec.validate`) and for the scheduling
-footprint that lets independent calls run in parallel (`ToolSpec.footprint`).
+element: `parser_rules`), for argument validation (`ToolSpec.validate`), for the
+scheduling footprint that lets independent calls run in parallel
+(`ToolSpec.footprint`), and for what a call is (`ToolSpec.kind`), from which the
+approval policy (`Session.needs_approval`), the environment's metrics and the
+clients' views follow. Nothing outside this module names a tool.
+
+`register` adds a tool at run time: every consumer reads the registry (`SPECS`,
+`BY_NAME`) when it needs it, so a registered tool is parsed, prompted, run,
+traced and shown with no other change.
 """
 
 from __future__ import annotations
@@ -12,11 +19,15 @@ import importlib
 import posixpath
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult
 
 ParamKind = Literal["str", "int", "float", "bool", "list"]
+# What a call does: read (a file, a folder), search (the codebase), check (lints),
+# edit (change files), command (run a program). read, search and check are read-only.
+Kind = Literal["read", "search", "check", "edit", "command"]
 ALL = ""  # the footprint prefix that covers the whole workspace
 
 
@@ -109,10 +120,17 @@ class ToolSpec:
     summary: str
     params: tuple[Param, ...]
     impl: str  # "module:function", imported on first use so the CLI stays light
-    read_only: bool
+    kind: Kind
     footprint: Callable[[Mapping[str, Any]], Footprint]
     example: str
     notes: str = ""
+    rule: str = ""  # a line for the full system prompt's rules
+    # under the `safe` policy, whether a call that is not read-only may run unasked
+    safe: Callable[[Mapping[str, Any], Path], bool] | None = None
+
+    @property
+    def read_only(self) -> bool:
+        return self.kind in ("read", "search", "check")
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
@@ -176,6 +194,12 @@ def _path_writes(args: Mapping[str, Any]) -> Footprint:
     return Footprint(writes=(args.get("path") or ALL,))
 
 
+def _read_only_command(args: Mapping[str, Any], root: Path) -> bool:
+    from opencomposer.tools.terminal import is_safe_command
+
+    return is_safe_command(str(args.get("command", "")), root)
+
+
 def _lint_reads(args: Mapping[str, Any]) -> Footprint:
     return Footprint(reads=tuple(args.get("paths") or [ALL]))
 
@@ -190,7 +214,7 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="end_line", kind="int", required=False, doc="last line, inclusive"),
         ),
         impl="opencomposer.tools.files:read_file",
-        read_only=True,
+        kind="read",
         footprint=_path_reads,
         example='<read_file path="src/app.py" start_line="1" end_line="60"/>',
     ),
@@ -207,12 +231,13 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="replace_all", kind="bool", required=False, doc="replace every match"),
         ),
         impl="opencomposer.tools.files:edit_file",
-        read_only=False,
+        kind="edit",
         footprint=_path_writes,
         example=(
             '<edit_file path="src/app.py">\n<old>    return a - b</old>\n'
             "<new>    return a + b</new>\n</edit_file>"
         ),
+        rule="Edit with edit_file: <old> must match the file once; include enough context.",
     ),
     ToolSpec(
         name="write_file",
@@ -222,7 +247,7 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="content", child=True, doc="the full new text of the file"),
         ),
         impl="opencomposer.tools.files:write_file",
-        read_only=False,
+        kind="edit",
         footprint=_path_writes,
         example='<write_file path="notes.txt">\n<content>hello\n</content>\n</write_file>',
     ),
@@ -231,7 +256,7 @@ SPECS: tuple[ToolSpec, ...] = (
         summary="Delete a file.",
         params=(Param(name="path", doc="workspace-relative path"),),
         impl="opencomposer.tools.files:delete_file",
-        read_only=False,
+        kind="edit",
         footprint=_path_writes,
         example='<delete_file path="old_module.py"/>',
     ),
@@ -243,7 +268,7 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="depth", kind="int", required=False, doc="levels to show, default 2"),
         ),
         impl="opencomposer.tools.files:list_dir",
-        read_only=True,
+        kind="read",
         footprint=_path_reads,
         example='<list_dir path="src" depth="2"/>',
     ),
@@ -252,7 +277,7 @@ SPECS: tuple[ToolSpec, ...] = (
         summary="Find files whose paths match a glob pattern (** spans folders).",
         params=(Param(name="pattern", doc='for example "**/*.py" or "src/**/test_*.py"'),),
         impl="opencomposer.tools.search:glob",
-        read_only=True,
+        kind="search",
         footprint=lambda args: Footprint(reads=(ALL,)),
         example='<glob pattern="**/*.py"/>',
     ),
@@ -266,7 +291,7 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="case_sensitive", kind="bool", required=False, doc="default true"),
         ),
         impl="opencomposer.tools.search:grep",
-        read_only=True,
+        kind="search",
         footprint=_path_reads,
         example='<grep pattern="def retry" path="src"/>',
     ),
@@ -282,7 +307,7 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="k", kind="int", required=False, doc="results, default 8"),
         ),
         impl="opencomposer.tools.search:codebase_search",
-        read_only=True,
+        kind="search",
         footprint=lambda args: Footprint(reads=(ALL,)),
         example='<codebase_search query="where retries back off after a failed request"/>',
     ),
@@ -298,7 +323,7 @@ SPECS: tuple[ToolSpec, ...] = (
             ),
         ),
         impl="opencomposer.tools.lints:read_lints",
-        read_only=True,
+        kind="check",
         footprint=_lint_reads,
         example='<read_lints paths="src/app.py"/>',
     ),
@@ -313,18 +338,46 @@ SPECS: tuple[ToolSpec, ...] = (
             Param(name="timeout_s", kind="float", required=False, doc="seconds, default 120"),
         ),
         impl="opencomposer.tools.terminal:run_terminal",
-        read_only=False,
+        kind="command",
         footprint=lambda args: Footprint(reads=(ALL,), writes=(ALL,), terminal=True),
         example="<run_terminal>\n<command>python -m pytest -q tests/test_app.py</command>\n</run_terminal>",
         notes=(
             "Several run_terminal calls in one message may run at the same time; "
             "put dependent commands in one call joined with &&."
         ),
+        rule="Run tests with run_terminal to check your change when the project has tests.",
+        safe=_read_only_command,
     ),
 )
 
 BY_NAME: dict[str, ToolSpec] = {s.name: s for s in SPECS}
 TOOL_NAMES: frozenset[str] = frozenset(BY_NAME)
+
+
+def register(spec: ToolSpec) -> ToolSpec:
+    """Add a tool, or replace the one of the same name."""
+    global SPECS, TOOL_NAMES
+    SPECS = (*(s for s in SPECS if s.name != spec.name), spec)
+    BY_NAME[spec.name] = spec
+    TOOL_NAMES = frozenset(BY_NAME)
+    return spec
+
+
+def unregister(name: str) -> None:
+    global SPECS, TOOL_NAMES
+    SPECS = tuple(s for s in SPECS if s.name != name)
+    BY_NAME.pop(name, None)
+    TOOL_NAMES = frozenset(BY_NAME)
+
+
+def parser_rules() -> tuple[dict[str, frozenset[str]], dict[str, str]]:
+    """For the streaming parser: each tool's parameter names, and for a tool with one
+    child parameter its name (the bare `<tool>text</tool>` form)."""
+    children = {s.name: s.child_names for s in SPECS}
+    bare = {
+        s.name: kids[0].name for s in SPECS if len(kids := [p for p in s.params if p.child]) == 1
+    }
+    return children, bare
 
 
 def get(name: str) -> ToolSpec:
@@ -336,7 +389,8 @@ def get(name: str) -> ToolSpec:
         ) from None
 
 
-def render_prompt(specs: tuple[ToolSpec, ...] = SPECS, *, compact: bool = False) -> str:
+def render_prompt(specs: tuple[ToolSpec, ...] | None = None, *, compact: bool = False) -> str:
+    specs = SPECS if specs is None else specs
     if compact:
         return "\n".join(s.render_compact() for s in specs)
     return "\n\n".join(s.render() for s in specs)

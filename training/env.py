@@ -75,9 +75,6 @@ from opencomposer.training.tasks import ANSWER_FILE, Task, TaskError, safe_extra
 
 log = logging.getLogger(__name__)
 
-READ_TOOLS = frozenset({"read_file", "grep", "glob", "codebase_search", "list_dir"})
-EDIT_TOOLS = frozenset({"edit_file", "write_file", "delete_file"})
-
 
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
@@ -837,7 +834,8 @@ class EnvironmentServer:
 
 
 class EpisodeMetrics:
-    """Episode metrics, computed from the session's event stream (DESIGN.md events)."""
+    """Episode metrics, computed from the session's event stream; reads, searches and
+    edits are told apart by each tool's `kind` (tools/specs.py)."""
 
     def __init__(self) -> None:
         self.turns = 0
@@ -857,19 +855,20 @@ class EpisodeMetrics:
                 self.turns += 1
                 self.prompt_tokens += e.prompt_tokens
                 self.completion_tokens += e.completion_tokens
-            case ToolStart(name=name):
+            case ToolStart():
                 self.tool_calls += 1
                 self.calls_per_turn[e.turn] = self.calls_per_turn.get(e.turn, 0) + 1
-                if not self.edited and name in ("read_file", "list_dir"):
+                kind = _kind(e.name)
+                if not self.edited and kind == "read":
                     self.reads_before_edit += 1
-                if not self.edited and name in ("grep", "glob", "codebase_search"):
+                if not self.edited and kind == "search":
                     self.searches_before_edit += 1
-                if name in EDIT_TOOLS:
+                if kind == "edit":
                     self.edited = True
             case ToolEnd():
                 if e.status == "ok":
                     self.tool_ok += 1
-                elif e.name in EDIT_TOOLS:
+                elif _kind(e.name) == "edit":
                     self.edit_failures += 1
             case Edit():
                 self.edited = True
@@ -888,6 +887,14 @@ class EpisodeMetrics:
             "searches_before_first_edit": self.searches_before_edit,
             "edit_failures": self.edit_failures,
         }
+
+
+def _kind(name: str) -> str:
+    """What a call does, from its tool's spec ("" for a call of an unknown tool)."""
+    from opencomposer.tools.specs import BY_NAME
+
+    spec = BY_NAME.get(name)
+    return spec.kind if spec is not None else ""
 
 
 def _one_line(e: object) -> str:

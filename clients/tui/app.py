@@ -75,6 +75,7 @@ class SessionView:
     cards: dict[str, ToolCard] = field(default_factory=dict)
     diffs: list[DiffEntry] = field(default_factory=list)
     answered: bool = False
+    tools: set[str] = field(default_factory=set)  # the server's tools (session_start)
 
 
 class Tick(Message, bubble=False):
@@ -458,7 +459,7 @@ class OpenComposerApp(App[int]):
         session.status = str(result.get("status", session.status))
         answer = str(result.get("answer") or "")
         if answer and not session.answered:
-            entry = AssistantEntry(session.turn + 1)
+            entry = AssistantEntry(session.turn + 1, session.tools)
             await self._mount(entry)
             await entry.finish(answer)
         if result.get("error"):
@@ -476,6 +477,7 @@ class OpenComposerApp(App[int]):
             return
         if kind == "session_start":
             session.session_id = sid
+            session.tools.update(event.get("tools") or ())
             self.sessions_seen.append(str(sid))
         elif kind == "model_start":
             session.turn = int(event.get("turn", session.turn + 1))
@@ -532,7 +534,7 @@ class OpenComposerApp(App[int]):
     async def _assistant(self, session: SessionView, turn: int) -> AssistantEntry:
         entry = session.assistant.get(turn)
         if entry is None:
-            entry = AssistantEntry(turn)
+            entry = AssistantEntry(turn, session.tools)
             session.assistant[turn] = entry
             await self._mount(entry)
         return entry
@@ -540,7 +542,7 @@ class OpenComposerApp(App[int]):
     async def _tool_start(self, session: SessionView, event: dict[str, Any]) -> None:
         turn = int(event.get("turn", session.turn))
         name = str(event.get("name", "?"))
-        (await self._assistant(session, turn)).filter.names.add(name)
+        session.tools.add(name)  # one the server's list lacked
         group = session.groups.get(turn)
         if group is None:
             group = ToolGroup(turn, self.show_timings)

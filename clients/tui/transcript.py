@@ -29,20 +29,6 @@ RESULT_LINES = 40
 RESULT_CHARS = 8_000
 DIFF_LINES = 400
 
-# Display only: the tool elements of DESIGN.md's protocol, hidden from the streamed
-# prose (the timeline shows them). Names seen in `tool_start` events are added.
-TOOL_NAMES = {
-    "read_file",
-    "edit_file",
-    "write_file",
-    "delete_file",
-    "list_dir",
-    "glob",
-    "grep",
-    "codebase_search",
-    "read_lints",
-    "run_terminal",
-}
 _OPEN_TAG = re.compile(r"<([A-Za-z_][\w\-]*)(?=[\s/>])")
 _PARTIAL_TAG = re.compile(r"<[A-Za-z_\-\w]*$")
 
@@ -50,12 +36,14 @@ _PARTIAL_TAG = re.compile(r"<[A-Za-z_\-\w]*$")
 class ToolCallFilter:
     """Streams assistant text with the tool-call XML elements cut out.
 
-    `feed` may be called with any chunking; it holds back a possible tag start at the
-    end of a chunk until the next chunk decides it.
+    `names` are the server's tools (the `tools` of its `session_start` event, and any
+    name a `tool_start` shows); the set is read as it grows. `feed` may be called with
+    any chunking; it holds back a possible tag start at the end of a chunk until the
+    next chunk decides it.
     """
 
-    def __init__(self, names: set[str] | None = None) -> None:
-        self.names = names if names is not None else TOOL_NAMES
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
         self._buf = ""
         self._inside: str | None = None
         self._in_body = False
@@ -112,7 +100,7 @@ class ToolCallFilter:
         return rest
 
 
-def visible_text(text: str, names: set[str] | None = None) -> str:
+def visible_text(text: str, names: set[str]) -> str:
     """`text` without its tool-call elements, blank-line runs squeezed."""
     f = ToolCallFilter(names)
     shown = f.feed(text) + f.flush()
@@ -370,10 +358,10 @@ class AssistantEntry(OneLayout, Markdown):
     Tool-call XML is cut from the prose (the timeline shows the calls).
     """
 
-    def __init__(self, turn: int) -> None:
+    def __init__(self, turn: int, tools: set[str]) -> None:
         super().__init__("", classes="assistant")
         self.turn = turn
-        self.filter = ToolCallFilter()
+        self.filter = ToolCallFilter(tools)
         self.shown = ""
         self._pending = ""
         self._view: StreamView | None = None

@@ -7,9 +7,9 @@ import pytest
 from opencomposer.agent.backends import make_model
 from opencomposer.agent.backends._local import read_prompt_style, write_prompt_style
 from opencomposer.agent.prompts import system_prompt
-from opencomposer.agent.session import _BARE, _CHILDREN, Session, SessionConfig
+from opencomposer.agent.session import Session, SessionConfig
 from opencomposer.agent.xmlcalls import parse_all
-from opencomposer.tools.specs import SPECS
+from opencomposer.tools.specs import SPECS, parser_rules
 from opencomposer.tools.workspace import LocalWorkspace
 
 from tests.agent.conftest import scripted
@@ -22,7 +22,7 @@ def test_compact_prompt_is_short_and_every_example_parses():
     assert len(lines) == len(SPECS)
     for spec, line in zip(SPECS, lines, strict=True):
         call, _, what = line.partition(" — ")
-        parsed = parse_all(call, _CHILDREN, _BARE)
+        parsed = parse_all(call, *parser_rules())
         assert [(c.name, c.error) for c in parsed] == [(spec.name, None)], line
         spec.validate(parsed[0].raw)  # the example is a valid call
         assert what

@@ -2,8 +2,10 @@
 never an exception, and chunking never changes what is parsed."""
 
 import pytest
-from opencomposer.agent.session import _BARE, _CHILDREN
 from opencomposer.agent.xmlcalls import StreamParser, parse_all
+from opencomposer.tools.specs import parser_rules
+
+_CHILDREN, _BARE = parser_rules()
 
 
 def parse(text):

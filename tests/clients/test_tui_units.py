@@ -15,6 +15,7 @@ from lsprotocol import types as lsp
 from opencomposer.clients.tui.app import OpenComposerApp, SessionView, short_model
 from opencomposer.clients.tui.edits import EditError, apply_text_edits, apply_workspace_edit
 from opencomposer.clients.tui.transcript import ToolCallFilter, ToolCard, clip, visible_text
+from opencomposer.tools.specs import TOOL_NAMES
 from tui_harness import wait_for
 
 
@@ -68,17 +69,20 @@ TEXT = (
 
 def test_tool_xml_is_cut_from_prose_whatever_the_chunking():
     expected = "I'll read both.\n\n\nThen `List<int>` stays, <b>bold</b> stays.\n"
-    whole = ToolCallFilter()
+    names = set(TOOL_NAMES)  # what the server's session_start lists
+    whole = ToolCallFilter(names)
     assert whole.feed(TEXT) + whole.flush() == expected
     rng = random.Random(7)
     for _ in range(200):
-        f, out, i = ToolCallFilter(), [], 0
+        f, out, i = ToolCallFilter(names), [], 0
         while i < len(TEXT):
             n = rng.randint(1, 9)
             out.append(f.feed(TEXT[i : i + n]))
             i += n
         assert "".join(out) + f.flush() == expected
-    assert visible_text(TEXT) == "I'll read both.\n\nThen `List<int>` stays, <b>bold</b> stays."
+    assert (
+        visible_text(TEXT, names) == "I'll read both.\n\nThen `List<int>` stays, <b>bold</b> stays."
+    )
 
 
 def test_clip_keeps_head_and_tail_of_a_megabyte():
