@@ -613,7 +613,7 @@ async def _build(
         if len(trials) >= limit or attempts >= max_attempts:
             break
         key = (m.path, m.function)
-        if per_function.get(key, 0) >= settings.per_function:
+        if per_function.get(key, 0) >= settings.per_function or not m.checked():
             continue
         attempts += 1
         t = await mining.trial(scratch, [m], cfg, plugin_dir, base.failing_files)

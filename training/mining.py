@@ -148,9 +148,27 @@ class Mutation:
     old: str
     new: str
     tests: list[str] = field(default_factory=list)  # covering tests
+    # (source, tree, node, replacement) of a mutation made without the parse check,
+    # which `checked()` runs when the mutation is about to be tried.
+    pending: tuple[bytes, ast.Module, ast.AST, ast.AST, ast.AST | None] | None = field(
+        default=None, repr=False, compare=False
+    )
+    valid: bool = True
 
     def apply(self, source: bytes) -> bytes:
         return source[: self.start] + self.new.encode() + source[self.end :]
+
+    def checked(self) -> bool:
+        """Whether the text parses back to the intended tree (parenthesised where
+        precedence needs it). The check parses the whole file, so a miner runs it
+        only for the mutations it tries, not for every candidate."""
+        if self.pending is not None:
+            source, tree, node, new, fn = self.pending
+            self.pending = None
+            text = _confirm(source, tree, node, new, self.start, self.end, self.new, fn)  # type: ignore[arg-type]
+            self.valid = text is not None
+            self.new = text or self.new
+        return self.valid
 
 
 # ---------------------------------------------------------------- running tests
@@ -480,9 +498,12 @@ def _replace_node(tree: ast.Module, target: ast.AST, new: ast.AST) -> ast.Module
     return clone
 
 
-def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[Mutation]:
+def find_mutations(
+    root: Path, rel: str, covered: dict[int, list[str]], *, check: bool = True
+) -> list[Mutation]:
     """Mutations of the functions in `rel` whose first line is in `covered`
-    (line -> covering tests)."""
+    (line -> covering tests). With `check=False` the parse check is left to
+    `Mutation.checked()` (a big file has thousands of candidates)."""
     source = (root / rel).read_bytes()
     try:
         tree = ast.parse(source)
@@ -513,7 +534,9 @@ def find_mutations(root: Path, rel: str, covered: dict[int, list[str]]) -> list[
                 target = node
                 if isinstance(new, tuple):  # (field, replacement): a child of the node
                     target, new = getattr(node, new[0]), new[1]
-                m = _mutation(source, offsets, tree, target, new, kind, rel, qualname)
+                m = _mutation(
+                    source, offsets, tree, target, new, kind, rel, qualname, check=check, fn=fn
+                )
                 if m is None:
                     continue
                 key = source[fn_start : m.start] + m.new.encode() + source[m.end : fn_end]
@@ -533,6 +556,9 @@ def _mutation(
     kind: str,
     rel: str,
     qualname: str,
+    *,
+    check: bool = True,
+    fn: ast.FunctionDef | ast.AsyncFunctionDef | None = None,
 ) -> Mutation | None:
     start = offsets[node.lineno - 1] + node.col_offset  # type: ignore[attr-defined]
     end = offsets[node.end_lineno - 1] + node.end_col_offset  # type: ignore[attr-defined]
@@ -543,21 +569,76 @@ def _mutation(
         return None
     if text == old or "\n" in text and not isinstance(new, ast.Pass):
         return None
+    m = Mutation(
+        path=rel,
+        function=qualname,
+        kind=kind,
+        line=node.lineno,  # type: ignore[attr-defined]
+        start=start,
+        end=end,
+        old=old,
+        new=text,
+        pending=(source, tree, node, new, fn),
+    )
+    return m if not check or m.checked() else None
+
+
+def _confirm(
+    source: bytes,
+    tree: ast.Module,
+    node: ast.AST,
+    new: ast.AST,
+    start: int,
+    end: int,
+    text: str,
+    fn: ast.FunctionDef | ast.AsyncFunctionDef | None = None,
+) -> str | None:
+    """`text` or `(text)`, whichever parses to `tree` with `node` replaced by `new`.
+
+    With `fn` (the function holding `node`) only that function's lines are parsed,
+    dedented: a fraction of the cost on a big module. Where they cannot be cut out
+    cleanly (a string literal's lines less indented than the `def`), the whole file."""
+    if fn is not None:
+        found = _confirm_in_function(source, node, new, start, end, text, fn)
+        if found is not False:
+            return found  # type: ignore[return-value]
     expected = ast.dump(_replace_node(tree, node, new))
     for candidate in (text, f"({text})"):
         mutated = source[:start] + candidate.encode() + source[end:]
         try:
             if ast.dump(ast.parse(mutated)) == expected:
-                return Mutation(
-                    path=rel,
-                    function=qualname,
-                    kind=kind,
-                    line=node.lineno,  # type: ignore[attr-defined]
-                    start=start,
-                    end=end,
-                    old=old,
-                    new=candidate,
-                )
+                return candidate
+        except (SyntaxError, ValueError):
+            continue
+    return None
+
+
+def _confirm_in_function(
+    source: bytes,
+    node: ast.AST,
+    new: ast.AST,
+    start: int,
+    end: int,
+    text: str,
+    fn: ast.FunctionDef | ast.AsyncFunctionDef,
+) -> str | None | bool:
+    """`_confirm` on the function's own lines; False when they cannot be cut out."""
+    offsets = _offsets(source)
+    first = offsets[fn.lineno - 1]
+    end_line = fn.end_lineno or fn.lineno
+    last = offsets[end_line] if end_line < len(offsets) else len(source)
+    expected_fn = _replace_node(fn, node, new)  # type: ignore[arg-type]
+    expected_fn.decorator_list = []  # type: ignore[attr-defined]  # the cut starts at `def`
+    expected = ast.dump(ast.Module(body=[expected_fn], type_ignores=[]))  # type: ignore[list-item]
+    indent = b" " * fn.col_offset
+    for candidate in (text, f"({text})"):
+        lines = (source[first:start] + candidate.encode() + source[end:last]).splitlines(True)
+        if any(ln.strip() and not ln.startswith(indent) for ln in lines):
+            return False
+        cut = b"".join(ln[fn.col_offset :] if ln.strip() else ln for ln in lines)
+        try:
+            if ast.dump(ast.parse(cut)) == expected:
+                return candidate
         except (SyntaxError, ValueError):
             continue
     return None
@@ -630,7 +711,7 @@ def candidates(scratch: Path, cfg: MineConfig, base: Baseline) -> list[Mutation]
         m
         for rel in sorted(base.covered)
         if rel in sources
-        for m in find_mutations(scratch, rel, base.covered[rel])
+        for m in find_mutations(scratch, rel, base.covered[rel], check=False)
     ]
 
 
@@ -677,7 +758,7 @@ async def mine_from(
         if len(kept) >= cfg.limit or attempts >= cfg.max_attempts:
             break
         key = (m.path, m.function)
-        if per_function.get(key, 0) >= cfg.per_function:
+        if per_function.get(key, 0) >= cfg.per_function or not m.checked():
             continue
         attempts += 1
         task = await _try(scratch, m, cfg, plugin_dir, base.failing_files, out, name)
