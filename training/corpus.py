@@ -795,8 +795,9 @@ def queries(
         "The test is right; find the bug in the code and fix it."
     )
     file, _, name = test.partition("::")
-    scrubbed = "\n".join(
-        ln for ln in excerpt.splitlines() if file not in ln and name.split("[")[0] not in ln
+    func = name.rsplit("::", 1)[-1].split("[")[0]
+    scrubbed = "\n".join(  # an issue's reporter does not know the test suite
+        ln for ln in excerpt.splitlines() if file not in ln and not (func and func in ln)
     )
     public = [  # names a user would call: no _private part (dunder methods are public)
         m.function
@@ -804,15 +805,32 @@ def queries(
         if not any(p.startswith("_") and not p.endswith("__") for p in m.function.split("."))
     ]
     subject = f"`{public[0]}` in {spec.name}" if public else spec.name
-    issue_q = (
-        f"{subject} gives wrong results since a recent change. What I see:\n\n"
-        f"```\n{scrubbed or excerpt}\n```\n\n"
-        "Please find the cause and fix it, so the project's own test suite passes again."
+    raised = not excerpt.lstrip("E ").startswith(("assert", "AssertionError"))
+    symptom = "fails with an error" if raised else "gives wrong results"
+    pick = int(hashlib.sha1(f"{test}|{mutations[0].start}".encode()).hexdigest(), 16)
+    issue_q = _ISSUE[pick % len(_ISSUE)].format(
+        subject=subject, symptom=symptom, excerpt=scrubbed or excerpt
     )
     where = " and ".join(f"{m.function} in {m.path}" for m in mutations)
-    short = name.split("[")[0] or test
-    oneline_q = f"The test {short} fails. Fix {where} so that it passes."
+    short = func or test
+    oneline_q = _ONELINE[pick % len(_ONELINE)].format(test=short, where=where)
     return {"test": test_q, "issue": issue_q, "oneline": oneline_q}
+
+
+# Several phrasings, picked per task, so a policy does not learn one template.
+_ISSUE = (
+    "{subject} {symptom} since a recent change. What I see:\n\n```\n{excerpt}\n```\n\n"
+    "Please find the cause and fix it, so the project's own test suite passes again.",
+    "Bug report: {subject} {symptom}.\n\n```\n{excerpt}\n```\n\n"
+    "It used to work. Can you track down the bug and fix it?",
+    "Something broke: {subject} {symptom}. The output:\n\n```\n{excerpt}\n```\n\n"
+    "Fix the code (not the tests).",
+)
+_ONELINE = (
+    "The test {test} fails. Fix {where} so that it passes.",
+    "{test} is failing; the bug is in {where}. Please fix it.",
+    "Fix {where}: the test {test} fails.",
+)
 
 
 def _excerpt(error: str) -> str:
