@@ -1166,7 +1166,9 @@ def export(
 
 
 def _solution_edits(snapshot: Path, edits: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The reference fix as `edit_file` would make it: whole lines, broken -> original."""
+    """The reference fix as `edit_file` calls would make it, in order: whole lines,
+    broken -> original, each widened by context lines until its `old` text occurs
+    once in the file as it stands when that call runs."""
     with tarfile.open(snapshot) as tar:
         originals = {
             e["path"]: tar.extractfile(e["path"]).read()  # type: ignore[union-attr]
@@ -1175,21 +1177,33 @@ def _solution_edits(snapshot: Path, edits: list[dict[str, Any]]) -> list[dict[st
     fixes = []
     for path, original in originals.items():
         mine = sorted((e for e in edits if e["path"] == path), key=lambda e: e["offset"])
-        broken = apply_edits(original, mine)
-        shift = 0
-        for e in mine:
-            start = e["offset"] + shift
+        state = apply_edits(original, mine)
+        for i in reversed(range(len(mine))):  # from the end: earlier offsets stay valid
+            e = mine[i]
+            start = e["offset"] + sum(
+                len(x["new"].encode()) - len(x["old"].encode()) for x in mine[:i]
+            )
+            end = start + len(e["new"].encode())
+            lo = state.rfind(b"\n", 0, start) + 1
+            hi = state.find(b"\n", end)
+            hi = len(state) if hi < 0 else hi
+            while state.count(state[lo:hi]) > 1 and (lo > 0 or hi < len(state)):
+                lo = state.rfind(b"\n", 0, max(lo - 1, 0)) + 1 if lo > 0 else 0
+                nxt = state.find(b"\n", hi + 1)
+                hi = len(state) if hi >= len(state) or nxt < 0 else nxt
+            old = state[lo:hi]
+            new = state[lo:start] + e["old"].encode() + state[end:hi]
             fixes.append(
                 {
                     "path": path,
                     "line": e["line"],
-                    "old": mining._lines_around(broken, start, start + len(e["new"].encode())),
-                    "new": mining._lines_around(
-                        original, e["offset"], e["offset"] + len(e["old"].encode())
-                    ),
+                    "old": old.decode("utf-8", errors="replace"),
+                    "new": new.decode("utf-8", errors="replace"),
                 }
             )
-            shift += len(e["new"].encode()) - len(e["old"].encode())
+            state = state[:lo] + new + state[hi:]
+        if state != original:
+            raise CorpusError(f"{path}: the reference fix does not restore the snapshot")
     return fixes
 
 
