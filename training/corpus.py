@@ -600,7 +600,7 @@ async def _build(
     cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
     scratch, plugin_dir = mining.setup_scratch(work, work_tmp, cfg)
     progress("running its tests", force=True)
-    base = await _baseline(scratch, cfg, plugin_dir, spec, env)
+    base = await _baseline(scratch, cfg, plugin_dir, spec, env, work)
     cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
     found = mining.candidates(scratch, cfg, base)
     if not found:
@@ -674,6 +674,7 @@ async def _baseline(
     plugin_dir: Path,
     spec: ProjectSpec,
     env: TestEnv,
+    work: Path,
 ) -> mining.Baseline:
     """The suite's first run; again with foreign addopts neutralised when it cannot run
     as configured. Skip (with the reason) when nothing passes either way."""
@@ -681,6 +682,18 @@ async def _baseline(
         return await mining.baseline(scratch, cfg, plugin_dir, spec.name)
     except TaskError as e:
         first = getattr(e, "output", "") or str(e)
+    # Options of plugins that are not installed: removed from the project's config
+    # (the rest kept), so plain `python -m pytest` works in the task's workspace too.
+    known = await asyncio.to_thread(known_pytest_options, scratch, env.pythonpath)
+    dropped = strip_foreign_addopts([scratch, work], known)
+    if dropped:
+        try:
+            base = await mining.baseline(scratch, cfg, plugin_dir, spec.name)
+        except TaskError:
+            pass
+        else:
+            env.notes.append(f"addopts without {' '.join(dropped)}"[:200])
+            return base
     neutral = mining.MineConfig(
         **{**cfg.__dict__, "pytest_args": (*cfg.pytest_args, *NEUTRAL_ADDOPTS)}
     )
@@ -691,6 +704,138 @@ async def _baseline(
     env.pytest_args += list(NEUTRAL_ADDOPTS)
     env.notes.append("addopts neutralised")
     return base
+
+
+# Where pytest reads its settings, in its own order: (file, section).
+_PYTEST_CONFIGS = (
+    ("pytest.ini", "pytest"),
+    (".pytest.ini", "pytest"),
+    ("pyproject.toml", "tool.pytest.ini_options"),
+    ("tox.ini", "pytest"),
+    ("setup.cfg", "tool:pytest"),
+)
+
+
+def known_pytest_options(root: Path, pythonpath: list[str]) -> set[str]:
+    """The command-line options this pytest accepts, with the plugins the project's
+    environment provides (its `.deps`)."""
+    env = {**os.environ, "PYTHONPATH": ":".join(str(root / p) for p in pythonpath)}
+    with tempfile.TemporaryDirectory(prefix="oc-pytest-help-") as tmp:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "pytest", "--help", *ALWAYS_ARGS],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return set()
+    found = set()
+    for line in out.splitlines():
+        spec = line.strip().split("  ")[0]  # "-x, --exitfirst", "--maxfail=num", "-k EXPR"
+        if spec.startswith("-"):
+            found |= set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", spec))
+    return found
+
+
+def strip_foreign_addopts(roots: list[Path], known: set[str]) -> list[str]:
+    """Remove from the project's pytest `addopts` the options this pytest does not
+    know (plugins that are not installed: `--cov=…`, `--benchmark-…`), in each of
+    `roots` (copies of one project), keeping the rest (`--doctest-modules`, …).
+    Returns the options removed; [] when there was nothing to remove."""
+    if not known:
+        return []
+    for name, section in _PYTEST_CONFIGS:
+        path = roots[0] / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        span = _addopts_span(text, section, toml=name.endswith(".toml"))
+        if span is None:
+            if _has_section(text, section, toml=name.endswith(".toml")):
+                return []  # pytest reads this file, and it has no addopts
+            continue
+        start, end, tokens = span
+        keep, dropped = _filter_options(tokens, known)
+        if not dropped:
+            return []
+        value = " ".join(shlex.quote(t) for t in keep)
+        line = (
+            f"addopts = {json.dumps(value)}\n" if name.endswith(".toml") else f"addopts = {value}\n"
+        )
+        new = text[:start] + line + text[end:]
+        for root in roots:
+            (root / name).write_text(new, encoding="utf-8")
+        return dropped
+    return []
+
+
+def _has_section(text: str, section: str, *, toml: bool) -> bool:
+    return re.search(rf"(?m)^\[{re.escape(section)}\]\s*$", text) is not None
+
+
+def _addopts_span(text: str, section: str, *, toml: bool) -> tuple[int, int, list[str]] | None:
+    """(start, end, tokens) of the `addopts` entry in `[section]`."""
+    head = re.search(rf"(?m)^\[{re.escape(section)}\]\s*$", text)
+    if head is None:
+        return None
+    nxt = re.search(r"(?m)^\[", text[head.end() :])
+    body_end = head.end() + nxt.start() if nxt else len(text)
+    m = re.search(r"(?m)^addopts\s*=", text[head.end() : body_end])
+    if m is None:
+        return None
+    start = head.end() + m.start()
+    lines = text[start:body_end].splitlines(keepends=True)
+    taken = [lines[0]]
+    if toml:
+        value = lines[0].split("=", 1)[1].strip()
+        if value.startswith("[") and "]" not in value:
+            for ln in lines[1:]:
+                taken.append(ln)
+                if "]" in ln:
+                    break
+        try:
+            parsed = tomllib.loads("v = " + "".join(taken).split("=", 1)[1])["v"]
+        except (tomllib.TOMLDecodeError, IndexError):
+            return None
+        tokens = shlex.split(parsed) if isinstance(parsed, str) else [str(t) for t in parsed]
+    else:
+        for ln in lines[1:]:  # ini continuation lines are indented
+            if ln.strip() and not ln[0].isspace():
+                break
+            taken.append(ln)
+        raw = "".join(taken).split("=", 1)[1]
+        raw = "\n".join(ln for ln in raw.splitlines() if not ln.strip().startswith(("#", ";")))
+        try:
+            tokens = shlex.split(raw)
+        except ValueError:
+            return None
+    return start, start + len("".join(taken)), tokens
+
+
+def _filter_options(tokens: list[str], known: set[str]) -> tuple[list[str], list[str]]:
+    keep: list[str] = []
+    dropped: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        name = tok.split("=", 1)[0]
+        if (
+            tok.startswith("-")
+            and name not in known
+            and not (len(name) > 2 and not name.startswith("--") and name[:2] in known)
+        ):
+            dropped.append(tok)
+            # its value, when given as the next word
+            if "=" not in tok and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+                dropped.append(tokens[i + 1])
+                i += 1
+        else:
+            keep.append(tok)
+        i += 1
+    return keep, dropped
 
 
 def _why_no_tests(as_configured: str, neutralised: str, env: TestEnv) -> str:
@@ -954,7 +1099,7 @@ async def _mine_repo(
     cfg = env.config(spec, settings, limit=limit, max_attempts=max(60, 5 * limit), seed=seed)
     cfg = mining.MineConfig(**{**cfg.__dict__, "source": f"mined:{spec.name}"})
     scratch, plugin_dir = mining.setup_scratch(work, tmp / "mine", cfg)
-    base = await _baseline(scratch, cfg, plugin_dir, spec, env)
+    base = await _baseline(scratch, cfg, plugin_dir, spec, env, work)
     cfg = mining.MineConfig(**{**cfg.__dict__, "pytest_args": tuple(env.pytest_args)})
     return await mining.mine_from(scratch, plugin_dir, base, cfg, out, spec.name, label=spec.name)
 

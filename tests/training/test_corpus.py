@@ -107,7 +107,7 @@ def _project(tmp_path: Path) -> tuple[Path, str]:
     (repo / "src" / "tinylib").mkdir(parents=True)
     (repo / "tests").mkdir()
     (repo / "pyproject.toml").write_text(PYPROJECT)
-    (repo / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")
+    (repo / "pytest.ini").write_text("[pytest]\naddopts = -ra --benchmark-disable\n")
     (repo / "src" / "tinylib" / "__init__.py").write_text(INIT)
     (repo / "src" / "tinylib" / "core.py").write_text(CORE)
     (repo / "tests" / "test_core.py").write_text(TESTS)
@@ -150,7 +150,9 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
     report = corpus.build_corpus(manifest, out, say=said.append)
     rec = json.loads((out / "projects" / "tinylib" / "project.json").read_text())
     assert rec["status"] == "built", rec
-    assert {"src layout", "installed into .deps", "addopts neutralised"} <= set(rec["notes"])
+    assert {"src layout", "installed into .deps", "addopts without --benchmark-disable"} <= set(
+        rec["notes"]
+    )
     assert rec["env"]["pythonpath"] == ["src", ".deps"]
     assert rec["two_site"] == 1 and rec["single"] == 2
     assert report["totals"]["tasks"] == rec["tasks"] == rec["single"] + rec["two_site"]
@@ -163,6 +165,7 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
     with tarfile.open(out / "projects" / "tinylib" / "snapshot.tar") as tar:
         names = tar.getnames()
         assert tar.extractfile("src/tinylib/core.py").read().decode() == CORE  # type: ignore[union-attr]
+        assert tar.extractfile("pytest.ini").read() == b"[pytest]\naddopts = -ra\n"  # type: ignore[union-attr]
     assert "conftest.py" in names  # the sys.path shim (path_shim)
     assert not any(n.startswith(".deps/tinylib/") for n in names)  # the installed copy is gone
     assert any(n.startswith(".deps/tinylib-0.3.0.dist-info") for n in names)  # its metadata stays
@@ -171,8 +174,8 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
     assert all(set(r["queries"]) == {"test", "issue", "oneline"} for r in rows)
     for r in rows:
         assert "test_" not in r["queries"]["issue"], r["queries"]["issue"]
-        assert "-o addopts=" in r["verify"] and "PYTHONPATH=src:.deps" in r["verify"]
-        assert "`python -m pytest -o addopts= -o required_plugins= tests/" in r["queries"]["test"]
+        assert "PYTHONPATH=src:.deps" in r["verify"] and "addopts" not in r["verify"]
+        assert "`python -m pytest tests/" in r["queries"]["test"]
 
     # Export: plain task folders the loader reads; each fails as written, passes fixed.
     tasks = corpus.export(out, tmp_path / "tasks")
@@ -198,7 +201,7 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
             _fix(ws, sol["edits"])
         assert asyncio.run(_run(task.verify, ws)) == 0, task.id
         # without PYTHONPATH too, as an agent would run it: the root conftest.py shim
-        plain = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -q -o addopts= tests/test_core.py"
+        plain = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -q tests/test_core.py"
         assert asyncio.run(_run(plain, ws)) == 0, task.id
     assert corpus.export(out, tmp_path / "none", split="train") == []
 
@@ -285,7 +288,38 @@ def test_tasks_mine_handles_the_same_layouts(tmp_path: Path, capsys) -> None:
     code = main(["tasks", "mine", str(repo), "--out", str(tmp_path / "mined"), "--limit", "1"])
     assert code == 0, capsys.readouterr().err
     (task,) = load_suite(tmp_path / "mined")
-    assert "PYTHONPATH=src:.deps" in task.verify and "addopts=" in task.verify
+    assert "PYTHONPATH=src:.deps" in task.verify
     ws = tmp_path / "ws"
     safe_extract(task.repo_tar, ws)
     assert (ws / ".deps").is_dir() and asyncio.run(_run(task.verify, ws)) != 0
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        (
+            "setup.cfg",
+            "[metadata]\nname = x\n\n[tool:pytest]\naddopts =\n    --cov=x\n    --cov-report term\n"
+            "    --doctest-modules\ntestpaths = tests\n",
+            "[metadata]\nname = x\n\n[tool:pytest]\naddopts = --doctest-modules\ntestpaths = tests\n",
+        ),
+        (
+            "pyproject.toml",
+            '[project]\nname = "x"\n\n[tool.pytest.ini_options]\naddopts = [\n  "-ra",\n'
+            '  "--benchmark-skip",\n]\n',
+            '[project]\nname = "x"\n\n[tool.pytest.ini_options]\naddopts = "-ra"\n',
+        ),
+    ],
+)
+def test_foreign_addopts_are_stripped_the_rest_kept(
+    tmp_path: Path, name: str, text: str, expected: str
+) -> None:
+    (tmp_path / name).write_text(text)
+    known = corpus.known_pytest_options(tmp_path, [])
+    assert "--doctest-modules" in known and "--cov" not in known
+    dropped = corpus.strip_foreign_addopts([tmp_path], known)
+    assert dropped and all(
+        d.startswith("--cov") or d in ("term", "--benchmark-skip") for d in dropped
+    )
+    assert (tmp_path / name).read_text() == expected
+    assert corpus.strip_foreign_addopts([tmp_path], known) == []  # nothing left to strip
