@@ -80,7 +80,7 @@ from opencomposer.training import mining
 from opencomposer.training.env import run_command
 from opencomposer.training.tasks import TaskError, pack_dir, safe_extract, write_task
 
-BUILDER_VERSION = 1  # bump when a rebuild would give different tasks for the same entry
+BUILDER_VERSION = 2  # bump when a rebuild would give different tasks for the same entry
 DEPS_DIR = ".deps"
 SPLITS = ("train", "heldout")
 QUERY_KINDS = ("test", "issue", "oneline")
