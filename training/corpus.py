@@ -567,6 +567,9 @@ def build_project(
         record.update(status="skipped", reason=str(e), tasks=0)
     except Exception as e:  # a builder bug or an environment failure: reported, retried next run
         record.update(status="error", reason=_line(f"{type(e).__name__}: {e}"), tasks=0)
+    if record["status"] != "built":  # nothing half-made stays behind
+        for name in ("snapshot.tar", "tasks.jsonl"):
+            (staging / name).unlink(missing_ok=True)
     record["seconds"] = round(time.monotonic() - t0, 1)
     (staging / "project.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
@@ -622,7 +625,6 @@ async def _build(
             per_function[key] = per_function.get(key, 0) + 1
         progress(f"{attempts} mutations tried, {len(trials)} bugs caught")
     pairs = _pairs(trials, round(len(trials) * settings.two_site), settings.seed)
-    doubles = 0
     for a, b in pairs:
         t = await mining.trial(
             scratch, a.mutations + b.mutations, cfg, plugin_dir, base.failing_files
@@ -632,7 +634,6 @@ async def _build(
             # the other's single-site bug, which fails a test there, so both fixes are needed.
             t.files = sorted(set(t.files) | set(a.files) | set(b.files))
             trials.append(t)
-            doubles += 1
     if not trials:
         raise Skip(f"no mutation made a test fail ({attempts} tried)")
 
