@@ -125,3 +125,20 @@ async def test_session_with_long_similar_lines_completes(tmp_path: Path) -> None
     result = await session.run("write the colour table")
     assert result.status == "completed" and result.answer == "Wrote colors.py."
     assert (tmp_path / "colors.py").read_text().count("COLOR_") == 300
+
+
+def test_rl_trains_on_repetition_episodes() -> None:
+    """A degenerate episode is a rollout with its (zero) reward, not a masked-out error."""
+    from opencomposer.training.env import EpisodeResult
+    from opencomposer.training.rl import rollout_from_episode
+
+    r = rollout_from_episode(
+        EpisodeResult(task_id="t", status="repetition", reward=0.0, resolved=False)
+    )
+    assert r.status == "ok" and r.reward == 0.0
+    assert (
+        rollout_from_episode(
+            EpisodeResult(task_id="t", status="error", reward=0.0, resolved=False)
+        ).status
+        == "error"
+    )
