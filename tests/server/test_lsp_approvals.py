@@ -8,19 +8,20 @@ setting (docs/lsp.md, Approvals). Real server over stdio, scripted editor.
 
 from __future__ import annotations
 
-from conftest import CALC, FIX
 from lsp_harness import scripted
 
 ASK = "opencomposer.ask"
+FIX = '<edit_file path="calc.py">\n<old>    return a - b</old>\n<new>    return a + b</new>\n</edit_file>'
 
 
 async def test_safe_asks_before_a_file_change(spawn, repo, tmp_path):
+    before = (repo / "calc.py").read_text()
     editor = await spawn(scripted(tmp_path / "m.json", [FIX, "fixed"]))
     editor.approve_with = "Reject"
     result = await editor.command(ASK, {"query": "fix add"})
     assert result["status"] == "completed"
     assert len(editor.approval_requests) == 1 and "edit_file calc.py" in editor.approval_requests[0]
-    assert (repo / "calc.py").read_text() == CALC and not editor.edits_received
+    assert (repo / "calc.py").read_text() == before and not editor.edits_received
     end = next(e for e in editor.events if e["type"] == "tool_end")
     assert end["status"] == "error"
 
@@ -35,8 +36,9 @@ async def test_auto_apply_edits_is_the_clients_own_setting(spawn, repo, tmp_path
 
 
 async def test_auto_apply_edits_does_not_loosen_none(spawn, repo, tmp_path):
+    before = (repo / "calc.py").read_text()
     editor = await spawn(scripted(tmp_path / "m.json", [FIX, "fixed"]))
     editor.approve_with = "Reject"
     await editor.command(ASK, {"query": "fix", "approve": "none", "auto_apply_edits": True})
     assert len(editor.approval_requests) == 1
-    assert (repo / "calc.py").read_text() == CALC
+    assert (repo / "calc.py").read_text() == before
