@@ -247,7 +247,7 @@ def bench_moe(shapes: tuple[tuple[int, int, int], ...] = MOE_SHAPES, repeats: in
 
 
 def bench_train(steps: int) -> None:
-    from opencomposer.kernels.tiny import TrainConfig, train
+    from opencomposer.kernels.train_tiny import TrainConfig, train
 
     text = b"".join(p.read_bytes() for p in sorted(ROOT.glob("kernels/*.py")))
     print(f"Tiny MoE LM (8 experts, top-2), {steps} steps on {len(text) // 1000} kB of source")

@@ -43,7 +43,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from opencomposer.kernels.mx import BLOCK, MXTrainingConfig, compute_dtype, fake_quantize
+from opencomposer.kernels.mx import (
+    BLOCK,
+    MXTrainingConfig,
+    compute_dtype,
+    fake_quantize,
+    mx_linear,
+)
 from torch import nn
 
 Impl = Literal["grouped", "loop"]
@@ -503,8 +509,6 @@ class GroupedExperts(nn.Module):
     def _linear(self, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.mx is None:
             return F.linear(x.to(dtype), w.to(dtype))
-        from opencomposer.kernels.mx import mx_linear
-
         return mx_linear(x.to(dtype), w, cfg=self.mx)
 
     def forward_loop(

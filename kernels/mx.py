@@ -19,7 +19,7 @@ holding a NaN or an Inf gets the NaN scale 0xFF and NaN elements, so the whole b
 dequantizes to NaN; an all-zero block gets the smallest scale (code 0, 2^-127) and zero
 elements; scales clamp to the E8M0 range [2^-127, 2^127].
 
-Training (``MXLinear``, ``to_mxfp8_training``) follows the published MXFP8 recipe
+Training (``MXLinear``; ``convert.to_mxfp8_training`` swaps a model's layers) follows the published MXFP8 recipe
 (Mishra et al., "Recipes for Pre-training LLMs with MXFP8", 2025): every GEMM operand is
 quantized along its contraction dimension -- activations and weights along K in the
 forward pass, the output gradient and the weight along N for the input gradient, the
@@ -44,7 +44,6 @@ Run the tests with ``pytest tests/kernels`` and the numbers with
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -257,7 +256,7 @@ def mx_mm(
     if backend == "triton":
         from opencomposer.kernels import mx_triton
 
-        return mx_triton.mx_mm(a, b, out_dtype)
+        return mx_triton.mx_mm(a.data, a.scales, b.data, b.scales, a.block, out_dtype)
     compute = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     return F.linear(a.dequantize(compute), b.dequantize(compute)).to(out_dtype)
 
@@ -399,65 +398,6 @@ class MXLinear(nn.Linear):
         return f"{super().extra_repr()}, elem={c.elem}, grad_elem={c.grad_elem}, mode={c.mode}"
 
 
-SKIPPED_NAMES = frozenset({"lm_head", "gate", "router", "score", "embed_out"})
-
-
-def default_skip(name: str, module: nn.Module) -> bool:
-    """Keep output heads and MoE routers in high precision, as the recipes do."""
-    return name.rsplit(".", 1)[-1] in SKIPPED_NAMES
-
-
-def to_mxfp8_training(
-    model: nn.Module,
-    *,
-    elem: Elem = "e4m3",
-    skip: Callable[[str, nn.Module], bool] | None = None,
-    config: MXTrainingConfig | None = None,
-) -> nn.Module:
-    """Make ``model`` train in MXFP8, in place, and return it.
-
-    Swaps every ``nn.Linear`` whose ``in_features`` is a multiple of 32 for an
-    ``MXLinear`` that shares its parameters, and every mixture-of-experts expert bank
-    (``moe.GroupedExperts`` or transformers' ``MixtralExperts``-style module with
-    ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F]) for the MXFP8 grouped
-    path. Parameter objects, names and dtypes are unchanged, so an optimizer built
-    before the call keeps working and ``state_dict()``/``save_pretrained`` write an
-    ordinary checkpoint. ``skip(name, module) -> True`` keeps a module as it is; by
-    default ``lm_head`` and routers (``gate``/``router``) are kept, and embeddings are
-    never ``nn.Linear``. ``elem`` is the element format of activations and weights;
-    ``config`` overrides the whole recipe.
-    """
-    from opencomposer.kernels import moe
-
-    cfg = config or MXTrainingConfig(elem=elem)
-    skip = skip or default_skip
-    swaps: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not name or skip(name, module):
-            continue
-        if isinstance(module, MXLinear):
-            continue
-        if type(module) is nn.Linear and module.in_features % BLOCK == 0:
-            swaps.append((name, MXLinear.from_linear(module, cfg)))
-        elif moe.GroupedExperts.can_wrap(module):
-            swaps.append((name, moe.GroupedExperts.wrap(module, mx=cfg)))
-    for name, new in swaps:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return model
-
-
-def mx_modules(model: nn.Module) -> list[str]:
-    """Names of the modules ``to_mxfp8_training`` swapped in (for logs and tests)."""
-    from opencomposer.kernels import moe
-
-    return [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, MXLinear) or (isinstance(m, moe.GroupedExperts) and m.mx is not None)
-    ]
-
-
 __all__ = [
     "BLOCK",
     "ELEM_FORMATS",
@@ -465,12 +405,10 @@ __all__ = [
     "MXLinear",
     "MXTensor",
     "MXTrainingConfig",
-    "default_skip",
     "fake_quantize",
     "gemm_backend",
     "mx_linear",
     "mx_mm",
     "quantize",
     "sqnr_db",
-    "to_mxfp8_training",
 ]

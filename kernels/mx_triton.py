@@ -7,7 +7,8 @@ The kernel walks K in steps of 32, runs each step's FP8 x FP8 dot on tensor core
 fp32 accumulation, and multiplies it by the two blocks' scales before accumulating.
 
 Imported lazily by ``mx.mx_mm`` only when ``gemm_backend`` picks ``triton``; it is never
-imported on CPU, and it has not been run on this project's CPU-only CI (a GPU test,
+imported on CPU. It takes the MX tensors' parts (FP8 elements and E8M0 scales), so it needs
+nothing of ``mx``, and it has not been run on this project's CPU-only CI (a GPU test,
 ``pytest -m gpu tests/kernels``, compares it with the exact emulation).
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from opencomposer.kernels.mx import MXTensor
 
 
 @triton.jit
@@ -55,18 +55,26 @@ def _mx_mm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T`` for MX ``a`` [M, K] and ``b`` [N, K] blocked along K -> [M, N]."""
-    m, k = a.data.shape
-    n = b.data.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
+def mx_mm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b.T`` for FP8 ``a`` [M, K] and ``b`` [N, K] with E8M0 scales [M, K/block]
+    and [N, K/block] -> [M, N]."""
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(m, 64), triton.cdiv(n, 64))
     _mx_mm_kernel[grid](
-        a.data, b.data, a.scales, b.scales, out,
+        a, b, a_scales, b_scales, out,
         m, n, k,
-        a.data.stride(0), a.data.stride(1), b.data.stride(0), b.data.stride(1),
-        a.scales.stride(0), a.scales.stride(1), b.scales.stride(0), b.scales.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a_scales.stride(0), a_scales.stride(1), b_scales.stride(0), b_scales.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=64, BLOCK_N=64, MX_BLOCK=a.block,
+        BLOCK_M=64, BLOCK_N=64, MX_BLOCK=block,
     )  # fmt: skip
     return out

@@ -80,7 +80,7 @@ class Trainer:
         self.config = config
         self.device = torch.device(config.device)
         if config.precision == "mxfp8":
-            from opencomposer.kernels.mx import to_mxfp8_training
+            from opencomposer.kernels.convert import to_mxfp8_training
 
             model = to_mxfp8_training(model) or model
         else:  # an upcycled MoE trains on the grouped expert path; dense models are unchanged

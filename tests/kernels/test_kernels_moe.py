@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from opencomposer.kernels import moe
+from opencomposer.kernels.convert import to_mxfp8_training
 from opencomposer.kernels.moe import GroupedExperts, MoE, Router
-from opencomposer.kernels.mx import MXTrainingConfig, to_mxfp8_training
+from opencomposer.kernels.mx import MXTrainingConfig
 
 
 def make_moe(impl="grouped", mx=None, dim=64, hidden=96, experts=8, k=2, seed=0) -> MoE:

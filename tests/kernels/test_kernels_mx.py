@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from opencomposer.kernels import mx
-from opencomposer.kernels.mx import MXFormatError, MXLinear, quantize, to_mxfp8_training
+from opencomposer.kernels.convert import mx_modules, to_mxfp8_training
+from opencomposer.kernels.mx import MXFormatError, MXLinear, quantize
 from torch import nn
 
 # ----------------------------------------------------------------- scalar reference
@@ -301,7 +302,7 @@ def test_to_mxfp8_training_swaps_eligible_linears_and_keeps_the_state_dict():
     assert all(
         torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype for k in after
     )
-    assert sorted(mx.mx_modules(model)) == ["down", "up"]
+    assert sorted(mx_modules(model)) == ["down", "up"]
 
 
 def test_to_mxfp8_training_skip_and_elem():

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from opencomposer.kernels.tiny import TinyMoELM, TrainConfig, train
+from opencomposer.kernels.train_tiny import TinyMoELM, TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[2]
 

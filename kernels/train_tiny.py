@@ -6,7 +6,7 @@ under the same autocast) and compare the losses. Byte-level (vocabulary 256), pr
 decoder: RMSNorm -> causal attention (``scaled_dot_product_attention``) -> RMSNorm -> ``MoE``.
 Torch only.
 
-    from opencomposer.kernels.tiny import TinyMoELM, train
+    from opencomposer.kernels.train_tiny import TinyMoELM, train
     losses = train(TinyMoELM.Config(), text=open("README.md", "rb").read(), steps=200)
 """
 
@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from opencomposer.kernels.convert import to_mxfp8_training
 from opencomposer.kernels.moe import MoE
 from torch import nn
 
@@ -92,8 +93,6 @@ class TrainConfig:
 def train(cfg: TrainConfig, text: bytes) -> list[float]:
     """Train a fresh ``TinyMoELM`` on random windows of ``text``; returns per-step
     language-model losses. Same seed -> same init and same batches in every precision."""
-    from opencomposer.kernels.mx import to_mxfp8_training
-
     torch.manual_seed(cfg.seed)
     model = TinyMoELM(cfg.model)
     if cfg.precision == "mxfp8":
