@@ -33,6 +33,7 @@ from opencomposer.tools import specs
 from opencomposer.tools.protocols import SandboxConfig, ToolContext
 from opencomposer.tools.sandbox import run_sandboxed
 from opencomposer.tools.workspace import LocalWorkspace
+from opencomposer.training.catalog import load_suite
 from opencomposer.training.env import (
     EnvConfig,
     EnvironmentServer,
@@ -40,7 +41,7 @@ from opencomposer.training.env import (
     mount_tmpfs,
     remove_workspace,
 )
-from opencomposer.training.tasks import load_suite, load_task, safe_extract, write_task
+from opencomposer.training.tasks import load_task, safe_extract, write_task
 
 
 def p50(xs: list[float]) -> float:

@@ -132,8 +132,8 @@ async def run_mode(mode: str, tasks, env, model_spec: str, args) -> dict:
 
 
 async def part_stragglers(args) -> dict:
+    from opencomposer.training.catalog import load_suite
     from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.tasks import load_suite
 
     root = Path(tempfile.mkdtemp(prefix="oc-rl-bench-"))
     delays = make_suite(

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from opencomposer.agent.traces import TraceStore
+from opencomposer.training.catalog import load_suite
 from opencomposer.training.env import EnvConfig, EnvironmentServer, EpisodeResult
-from opencomposer.training.tasks import Task, TaskError, load_suite
+from opencomposer.training.tasks import Task, TaskError
 
 TRACES = "traces.db"  # every episode's trace: OPENCOMPOSER_HOME=OUT opencomposer traces show ID
 MEAN_KEYS = (

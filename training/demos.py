@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opencomposer.training.sessions import demo_session_config
+
 SOLUTION = "solution.json"
 
 
@@ -202,20 +204,10 @@ async def record_demos(
     return stats
 
 
-def demo_session_config(*, prompt_style: str, max_turns: int = 8) -> Any:
-    """The session settings of a demonstration: the sampler's prompt style, every
-    call approved (as in rollouts), enough turns for look + edit + answer."""
-    from opencomposer.agent.session import SessionConfig
-    from opencomposer.training.rl import with_prompt_style
-
-    cfg = SessionConfig(approve="all", max_turns=max_turns, emit_deltas=False)
-    return with_prompt_style(cfg, prompt_style)
-
-
 async def _main(suite: str, db: Path, prompt_style: str) -> DemoStats:
     from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.catalog import load_suite
     from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.tasks import load_suite
 
     tasks = load_suite(suite)
     store = TraceStore(db)

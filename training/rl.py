@@ -55,6 +55,8 @@ from opencomposer.training.rollouts import (
     build_samples,
     turn_from,
 )
+from opencomposer.training.sessions import resolve_prompt_style, session_config
+from opencomposer.training.sft import collect_rejection_samples, fit, run_sft, trace_samples
 from opencomposer.training.trainer import (
     Trainer,
     TrainerConfig,
@@ -192,48 +194,6 @@ def make_sampler(cfg: TrainConfig, folder: Path) -> VersionedModel:
     return VersionedModel(inner, ModuleReceiver(lambda: inner._model))
 
 
-def with_prompt_style(scfg: Any, style: str | None) -> Any:
-    """``scfg`` with ``prompt_style`` set (when the agent core's SessionConfig has it)."""
-    if style is None or "prompt_style" not in {f.name for f in dataclasses.fields(scfg)}:
-        return scfg
-    return dataclasses.replace(scfg, prompt_style=style)
-
-
-def resolve_prompt_style(cfg: TrainConfig, sampler: Any) -> str:
-    """The system-prompt style of every session of the run (rollouts, evals, demos):
-    ``rollout.prompt_style``, or for "auto" what the sampler's backend asks for, as
-    the production agent decides it (the model's ``prompt_style``, else "full")."""
-    style = cfg.rollout.prompt_style
-    if style != "auto":
-        return style
-    for m in (sampler, getattr(sampler, "inner", None)):
-        value = getattr(m, "prompt_style", None)
-        if isinstance(value, str) and value in ("full", "compact"):
-            return value
-    return "full"
-
-
-def session_config(
-    cfg: TrainConfig, *, temperature: float | None = None, prompt_style: str | None = None
-) -> Any:
-    from opencomposer.agent.protocols import Sampling
-    from opencomposer.agent.session import SessionConfig
-
-    r = cfg.rollout
-    scfg = SessionConfig(
-        approve=r.approve,
-        max_turns=r.max_turns,
-        max_completion_tokens=r.max_completion_tokens,
-        sampling=Sampling(
-            temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-        ),
-        emit_deltas=False,
-    )
-    return with_prompt_style(scfg, prompt_style or r.prompt_style)
-
-
 # -- the loop -------------------------------------------------------------------------
 
 
@@ -270,8 +230,6 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
     """Supervised rounds before RL (``[sft] warmup_rounds``): on accepted traces
     (``source`` = "traces"/"demos": the same samples each round) or on the policy's
     own good rollouts (``"rejection"``: sampled afresh each round)."""
-    from opencomposer.training.sft import collect_rejection_samples, fit, trace_samples
-
     cfg = run.config
     traces = None
     for round_ in range(1, cfg.sft.warmup_rounds + 1):
@@ -447,8 +405,9 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
 
 async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: bool) -> Path:
     from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.catalog import load_suite
     from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.tasks import TaskError, load_suite
+    from opencomposer.training.tasks import TaskError
 
     try:
         tasks = load_suite(cfg.tasks.suite)
@@ -491,8 +450,6 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
     trainer.prompt_style = run.prompt_style
     try:
         if sft:
-            from opencomposer.training.sft import run_sft
-
             return await run_sft(run, max_steps=max_steps)
         return await run_loop(run, max_steps=max_steps)
     finally:

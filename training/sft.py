@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opencomposer.training.demos import DemoError, DemoStats, record_demos
 from opencomposer.training.rollouts import (
     Rollout,
     Sample,
@@ -36,6 +37,7 @@ from opencomposer.training.rollouts import (
     samples_from_rollout,
     turn_from_trace,
 )
+from opencomposer.training.sessions import demo_session_config, session_config
 
 
 @dataclass(kw_only=True)
@@ -157,15 +159,8 @@ def trace_db(run: Any) -> Path | None:
 
 
 def demo_style(run: Any) -> str:
-    """The prompt style demonstrations are (and were) recorded in: the run's, as the
-    Session will really apply it ("full" where the agent core has no styles)."""
-    from opencomposer.training.demos import demo_session_config
-
-    return str(
-        getattr(
-            demo_session_config(prompt_style=run.prompt_style or "full"), "prompt_style", "full"
-        )
-    )
+    """The prompt style demonstrations are (and were) recorded in: the run's."""
+    return run.prompt_style or "full"
 
 
 async def ensure_demos(run: Any, db: Path) -> Any:
@@ -173,7 +168,6 @@ async def ensure_demos(run: Any, db: Path) -> Any:
     recorded there yet in this prompt style), on the run's environment server."""
     from opencomposer.agent.traces import TraceStore
     from opencomposer.training.config import ConfigError
-    from opencomposer.training.demos import DemoError, DemoStats, demo_session_config, record_demos
 
     style = demo_style(run)
     store = TraceStore(db)
@@ -238,8 +232,6 @@ async def trace_samples(run: Any) -> SftData:
 async def collect_rejection_samples(run: Any) -> tuple[SftData, list[Rollout]]:
     """Roll out every training task ``samples_per_task`` times; keep the good ones."""
     import asyncio
-
-    from opencomposer.training.rl import session_config
 
     cfg = run.config
     scfg = session_config(cfg, prompt_style=run.prompt_style)

@@ -7,7 +7,8 @@ The environment server (`training/env.py`), the benchmark (`training/bench.py`)
 and the RL loop read only this format; the sources that write it are
 `write_task` (anything), `task_from_trace` (logged sessions), `training/mining.py`
 (bug injection into real repositories) and `training/starter.py` (the starter
-suite).
+suite). Suites by name (`starter`, `own`, the committed ones) are `training/catalog.py`'s:
+it sits above the generators, which sit above this module.
 
 `task.toml`::
 
@@ -201,46 +202,6 @@ def _check_reward(reward: Any, where: Path) -> dict[str, Any]:
     if total <= 0:
         raise TaskError(f"{where}: reward weights sum to zero")
     return out
-
-
-def load_suite(name_or_dir: str | Path) -> list[Task]:
-    """Tasks of a suite, sorted by id.
-
-    Built-in names: `starter` (also `starter:train`, `starter:heldout`), generated
-    deterministically by `training/starter.py` into the cache; `own`, mined from this
-    repository by `training/mining.py` into the cache on first use; the folders under
-    `training/suites/` (e.g. `pypi`, tasks mined from PyPI libraries). Anything else is
-    a folder of task folders (or one task folder).
-    """
-    name = str(name_or_dir)
-    base, _, split = name.partition(":")
-    if base == "starter" and not Path(name).exists():
-        from opencomposer.training import starter
-
-        tasks = [load_task(p) for p in starter.ensure_suite()]
-    elif base == "own" and not Path(name).exists():
-        from opencomposer.training import mining
-
-        tasks = [load_task(p) for p in mining.ensure_own_suite()]
-    else:
-        d = Path(name_or_dir)
-        builtin = Path(__file__).parent / "suites" / name
-        if not d.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", name) and builtin.is_dir():
-            d = builtin  # a suite committed under training/suites/
-        split = ""
-        if not d.is_dir():
-            raise TaskError(f"no task suite {name!r}: not a folder, nor one of: own, starter")
-        if (d / TASK_FILE).is_file():
-            return [load_task(d)]
-        dirs = sorted(p for p in d.iterdir() if (p / TASK_FILE).is_file())
-        if not dirs:
-            raise TaskError(f"{d}: no task folders (folders with {TASK_FILE})")
-        tasks = [load_task(p) for p in dirs]
-    if split:
-        if split not in ("train", "heldout"):
-            raise TaskError(f"unknown split {split!r}: use train or heldout")
-        tasks = [t for t in tasks if t.split == split]
-    return sorted(tasks, key=lambda t: t.id)
 
 
 # ---------------------------------------------------------------- writing

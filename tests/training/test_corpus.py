@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training import corpus
+from opencomposer.training.catalog import load_suite
 from opencomposer.training.env import run_command
-from opencomposer.training.tasks import TaskError, load_suite, safe_extract
+from opencomposer.training.tasks import TaskError, safe_extract
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 

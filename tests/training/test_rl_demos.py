@@ -18,6 +18,7 @@ import pytest
 from opencomposer.agent.protocols import Message
 from opencomposer.agent.traces import TraceStore
 from opencomposer.training import starter
+from opencomposer.training.catalog import load_suite
 from opencomposer.training.config import ConfigError, parse_config
 from opencomposer.training.demos import (
     DemoError,
@@ -27,9 +28,9 @@ from opencomposer.training.demos import (
     record_demos,
     renamed_word,
 )
-from opencomposer.training.rl import resolve_prompt_style, session_config, with_prompt_style
+from opencomposer.training.sessions import resolve_prompt_style, session_config
 from opencomposer.training.sft import TraceTokenizer, accepted, samples_from_traces
-from opencomposer.training.tasks import load_suite, load_task
+from opencomposer.training.tasks import load_task
 
 
 @pytest.fixture(scope="module")
@@ -146,17 +147,15 @@ def test_prompt_style_setting():
     assert resolve_prompt_style(auto, object()) == "full"
     with pytest.raises(ConfigError, match="prompt_style"):
         parse_config({"rollout": {"prompt_style": "tiny"}})
-    scfg = session_config(cfg, prompt_style="compact")
-    if hasattr(scfg, "prompt_style"):  # the agent core's setting
-        assert scfg.prompt_style == "compact"
-        assert with_prompt_style(scfg, "full").prompt_style == "full"
+    assert session_config(cfg, prompt_style="compact").prompt_style == "compact"
+    assert session_config(cfg).prompt_style == "compact"  # the config's own
     assert parse_config({"sft": {"source": "demos"}}).sft.source == "demos"
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 def test_demos_through_the_real_session_become_assistant_only_samples(suite, tokenizer, tmp_path):
-    from opencomposer.training.demos import demo_session_config
     from opencomposer.training.env import EnvConfig, EnvironmentServer
+    from opencomposer.training.sessions import demo_session_config
 
     tasks = [by_kind(suite, k) for k in ("find", "fix", "rename")]
     store = TraceStore(tmp_path / "demos.db")

@@ -9,9 +9,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from opencomposer.training.catalog import load_suite
 from opencomposer.training.tasks import (
     TaskError,
-    load_suite,
     load_task,
     pack_dir,
     safe_extract,

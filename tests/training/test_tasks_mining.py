@@ -193,7 +193,7 @@ def test_prepare_own_imports_from_the_copy(tmp_path: Path) -> None:
 
 
 def test_committed_pypi_suite_loads() -> None:
-    from opencomposer.training.tasks import load_suite
+    from opencomposer.training.catalog import load_suite
 
     tasks = load_suite("pypi")
     assert len(tasks) >= 4 and {t.source.split(":")[2].split("-")[0] for t in tasks} >= {
@@ -206,7 +206,7 @@ def test_committed_pypi_suite_loads() -> None:
 
 @pytest.mark.slow
 def test_committed_pypi_suite_is_verified(tmp_path: Path) -> None:
-    from opencomposer.training.tasks import load_suite
+    from opencomposer.training.catalog import load_suite
 
     for task in load_suite("pypi"):
         ws = tmp_path / task.id
@@ -223,7 +223,7 @@ def test_own_suite_is_mined_from_this_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from opencomposer.training import mining
-    from opencomposer.training.tasks import load_suite
+    from opencomposer.training.catalog import load_suite
 
     monkeypatch.setenv("OPENCOMPOSER_HOME", str(tmp_path))
     monkeypatch.setattr(

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from opencomposer.training import starter
-from opencomposer.training.tasks import ANSWER_FILE, load_suite, load_task, safe_extract
+from opencomposer.training.catalog import load_suite
+from opencomposer.training.tasks import ANSWER_FILE, load_task, safe_extract
 
 
 def _digest(d: Path) -> dict[str, bytes]:
