@@ -7,7 +7,7 @@ environment's sandboxed copy; the codebase index behind `codebase_search`.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -60,21 +60,32 @@ class Workspace(Protocol):
     async def delete(self, path: str) -> None: ...
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchHit:
-    path: str
-    start_line: int
-    end_line: int
-    score: float
-    text: str = ""
-    symbol: str = ""
+class SearchHit(Protocol):
+    """One ranked chunk, as `codebase_search` reads it; the index's `Hit` is one.
+    `text` may be empty (the tool then reads the lines), `symbol` names the chunk's
+    function or class where there is one."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def start_line(self) -> int: ...
+    @property
+    def end_line(self) -> int: ...
+    @property
+    def score(self) -> float: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def symbol(self) -> str: ...
 
 
 @runtime_checkable
 class Index(Protocol):
     """What `codebase_search` needs from the codebase index (`opencomposer.index`)."""
 
-    def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[SearchHit]: ...
+    def search(
+        self, query: str, *, k: int = 10, path: str | None = None
+    ) -> Sequence[SearchHit]: ...
 
 
 SandboxMode = Literal["read-only", "workspace-write", "off"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from opencomposer.tools import search, specs
-from opencomposer.tools.protocols import SearchHit, ToolContext, ToolResult
+from opencomposer.index import Hit
+from opencomposer.tools.protocols import ToolContext, ToolResult
 from opencomposer.tools.workspace import LocalWorkspace
 
 
@@ -133,11 +134,11 @@ class FakeIndex:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, str | None]] = []
 
-    def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[SearchHit]:
+    def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[Hit]:
         self.calls.append((query, k, path))
         return [
-            SearchHit(path="src/app.py", start_line=1, end_line=2, score=0.91, symbol="retry"),
-            SearchHit(
+            Hit(path="src/app.py", start_line=1, end_line=2, score=0.91, symbol="retry"),
+            Hit(
                 path="src/net/client.py",
                 start_line=1,
                 end_line=2,
