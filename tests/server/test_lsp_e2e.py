@@ -480,7 +480,9 @@ def test_demo_lsp_fixes_the_sample_repo_through_the_server(tmp_path, home):
 
 
 async def test_two_sessions_at_once_and_cancelling_one_leaves_the_other(spawn, home, tmp_path):
-    editor = await spawn(scripted(tmp_path / "m.json", ["step " * 200], 500))  # ~2 s per session
+    # Distinct words: an exact repeat would be stopped by the repetition guard.
+    steps = " ".join(f"step{i}" for i in range(150))
+    editor = await spawn(scripted(tmp_path / "m.json", [steps], 500))  # ~2 s per session
     first = asyncio.ensure_future(editor.command(ASK, {"query": "one"}))
     second = asyncio.ensure_future(editor.command(ASK, {"query": "two"}))
     await asyncio.wait_for(editor.wait_event(lambda e: e["type"] == "model_delta"), 30)
