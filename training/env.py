@@ -70,6 +70,7 @@ from typing import Any
 
 from opencomposer.agent.events import Edit, Event, ModelEnd, ToolEnd, ToolStart
 from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.tools.sandbox import CommandResult, run_sandboxed
 from opencomposer.training.snapshot_index import SnapshotIndexes
 from opencomposer.training.tasks import ANSWER_FILE, Task, TaskError, safe_extract
 
@@ -93,14 +94,6 @@ class EnvConfig:
     call_timeout_s: float = 120.0  # deadline of an actor call beyond its own work
     max_templates: int = 64  # unpacked tasks kept per actor (LRU)
     index_cache: Path | None = None  # snapshot indexes (snapshot_index.py); None: ~/.cache/…
-
-
-@dataclass(kw_only=True)
-class CommandResult:
-    exit_code: int
-    output: str
-    timed_out: bool = False
-    duration_s: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -152,22 +145,19 @@ def sandbox_config(task: Task, config: EnvConfig) -> SandboxConfig:
 
 
 async def run_command(command: str, *, cwd: Path, sandbox: SandboxConfig) -> CommandResult:
-    """One command in the agent core's bubblewrap sandbox (the same code as run_terminal),
-    with this interpreter's folder first on PATH so `python` has the project's packages."""
-    from opencomposer.tools.sandbox import run_sandboxed
-
+    """One command in the agent core's bubblewrap sandbox (the same code as the tools'),
+    with this interpreter's folder first on PATH so `python` has the project's packages.
+    A killed command says so in its output and never exits 0."""
     bindir = str(Path(sys.executable).parent)
     result = await run_sandboxed(
         f'export PATH="{bindir}:$PATH"\n{command}', root=cwd, config=sandbox
     )
-    output = result.output
-    if result.killed_reason:
-        output += f"\n[killed: {result.killed_reason}]"
-    return CommandResult(
-        exit_code=result.exit_code if result.killed_reason is None else (result.exit_code or -9),
-        output=output,
-        timed_out=result.timed_out,
-        duration_s=round(result.duration_s, 4),
+    if result.killed_reason is None:
+        return result
+    return replace(
+        result,
+        exit_code=result.exit_code or -9,
+        output=result.output + f"\n[killed: {result.killed_reason}]",
     )
 
 
