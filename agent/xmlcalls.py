@@ -41,6 +41,13 @@ _CALLISH = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
 _MAX_NAME = 128  # a longer element or attribute name is prose, never a call
 
 
+def _skip_space(buf: str, i: int) -> int:
+    """The first index at or after i that holds no white space (len(buf) if none)."""
+    m = _SPACE.match(buf, i)
+    assert m is not None  # `\s*` matches the empty string anywhere
+    return m.end()
+
+
 @dataclass
 class ParsedCall:
     index: int
@@ -293,7 +300,7 @@ class StreamParser:
         carry no attributes are prose (`<file_path>`), and come back as _SKIP."""
         buf = self.buf
         while True:
-            i = self.pos = _SPACE.match(buf, self.pos).end()
+            i = self.pos = _skip_space(buf, self.pos)
             if i >= len(buf):
                 raise _NeedMore
             if buf.startswith("/>", i):
@@ -339,12 +346,12 @@ class StreamParser:
         j = m.end()
         if j == len(buf):
             raise _NeedMore  # the name may go on
-        j = _SPACE.match(buf, j).end()
+        j = _skip_space(buf, j)
         if j == len(buf):
             raise _NeedMore(_NONSPACE)
         if buf[j] != "=":
             return None
-        j = _SPACE.match(buf, j + 1).end()
+        j = _skip_space(buf, j + 1)
         if j == len(buf):
             raise _NeedMore(_NONSPACE)
         quote = buf[j]
@@ -360,7 +367,7 @@ class StreamParser:
         close_tag = f"</{call.name}>"
         allowed = self.children.get(call.name)
         while True:
-            i = _SPACE.match(buf, self.pos).end()
+            i = _skip_space(buf, self.pos)
             if i >= len(buf):
                 raise _NeedMore(_NONSPACE)
             if buf.startswith(close_tag, i):
