@@ -116,7 +116,7 @@ class Executor:
         """The workspace's one spelling of `path`; the path as given when it is refused
         (the call then fails on its own, ordered by its lexical form)."""
         try:
-            return self.ctx.workspace.key(path)  # type: ignore[attr-defined]
+            return self.ctx.workspace.key(path)
         except ToolError:
             return path
 
@@ -125,7 +125,7 @@ class Executor:
         rec: CallRecord,
         spec: specs.ToolSpec | None,
         error: str | None,
-        deps: list[asyncio.Task[None]],
+        deps: list[asyncio.Future[Any]],
     ) -> None:
         if deps:
             await asyncio.wait(deps)

@@ -7,9 +7,14 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opencomposer.agent import events as ev
+
+if TYPE_CHECKING:
+    from opencomposer.agent.executor import Approval
+    from opencomposer.agent.session import Policy
+    from opencomposer.tools.protocols import SandboxMode
 
 
 class JsonView:
@@ -95,13 +100,14 @@ class HumanView:
     def close(self) -> None:
         self._stop_spin()
 
-    def approve(self, name: str, args: dict[str, Any]) -> str:
+    def approve(self, name: str, args: dict[str, Any]) -> Approval:
         self._stop_spin()
         what = "\n  ".join(f"{k}: {v}" for k, v in args.items())  # whole: the user decides on it
         self.console.print(f"[bold yellow]approve[/] {name}: ", end="")
         self.console.print(_visible(str(what)), highlight=False)
         answer = input("  run? [y]es / [a]lways / [n]o: ").strip().lower()
-        return {"y": "run", "yes": "run", "a": "always", "always": "always"}.get(answer, "reject")
+        answers: dict[str, Approval] = {"y": "run", "yes": "run", "a": "always", "always": "always"}
+        return answers.get(answer, "reject")
 
 
 def _visible(text: str) -> Any:
@@ -135,9 +141,9 @@ def ask(
     workspace: Path,
     model: str,
     as_json: bool,
-    approve: str,
+    approve: Policy,
     max_turns: int = 25,
-    sandbox: str = "workspace-write",
+    sandbox: SandboxMode = "workspace-write",
 ) -> int:
     from opencomposer.agent.backends import make_model
     from opencomposer.agent.factory import open_session
@@ -154,7 +160,7 @@ def ask(
     view: JsonView | HumanView = JsonView() if as_json else HumanView()
     interactive = not as_json and sys.stdin.isatty()
 
-    async def approver(name: str, args: dict[str, Any]) -> str:
+    async def approver(name: str, args: dict[str, Any]) -> Approval:
         assert isinstance(view, HumanView)
         return await asyncio.to_thread(view.approve, name, args)
 
@@ -165,9 +171,9 @@ def ask(
             model=m,
             workspace=LocalWorkspace(root),
             config=SessionConfig(
-                approve=approve,  # type: ignore[arg-type]
+                approve=approve,
                 max_turns=max_turns,
-                sandbox=SandboxConfig(mode=sandbox),  # type: ignore[arg-type]
+                sandbox=SandboxConfig(mode=sandbox),
                 emit_deltas=not as_json,
             ),
             on_event=view,

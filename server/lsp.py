@@ -51,10 +51,11 @@ from opencomposer.server import lsp_commands as cmds
 from opencomposer.server.workspace_overlay import EditorLink, EditorWorkspace
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcRequestCancelled
 from pygls.lsp.server import LanguageServer
-from pygls.protocol import LanguageServerProtocol
+from pygls.protocol import LanguageServerProtocol, lsp_method
 from pygls.uris import to_fs_path
 
 if TYPE_CHECKING:
+    from opencomposer.agent.executor import Approval
     from opencomposer.agent.protocols import Model
     from opencomposer.agent.session import Session
     from opencomposer.agent.traces import TraceStore
@@ -85,6 +86,7 @@ class Record:
     session_id: str
     root: Path
     edits: list[Edit] = field(default_factory=list)
+    from_trace: bool = False  # read back from the trace store: another process ran it
 
 
 @dataclass(kw_only=True)
@@ -181,11 +183,9 @@ class ComposerProtocol(LanguageServerProtocol):
         if not self._server.cancel_ask(msg_id):
             super()._handle_cancel_notification(msg_id)
 
+    @lsp_method(lsp.EXIT)
     def lsp_exit(self, *args: Any) -> None:  # type: ignore[override]
         self._server.exit_requested = True
-
-
-ComposerProtocol.lsp_exit.method_name = lsp.EXIT  # type: ignore[attr-defined]
 
 
 class ComposerServer(LanguageServer):
@@ -467,7 +467,7 @@ class ComposerServer(LanguageServer):
                     running.progress, lsp.WorkDoneProgressReport(message=message)
                 )
 
-    async def _approve(self, session_id: str, name: str, args: dict[str, Any]) -> str:
+    async def _approve(self, session_id: str, name: str, args: dict[str, Any]) -> Approval:
         """The session's approver: asked only about the calls its policy holds back
         (`Session.needs_approval`), through `window/showMessageRequest`."""
         command = str(args.get("command", "")).strip()
@@ -534,11 +534,11 @@ class ComposerServer(LanguageServer):
             model=model,
             workspace=workspace,
             config=SessionConfig(
-                approve=args.approve,  # type: ignore[arg-type]
+                approve=args.approve,
                 auto_apply_edits=args.auto_apply_edits,
             ),
             on_event=lambda event: self._on_event(session_id, event, root, args.reveal),
-            approver=lambda name, a: self._approve(session_id, name, a),  # type: ignore[arg-type,return-value]
+            approver=lambda name, a: self._approve(session_id, name, a),
             traces=self.shared.traces(),
             index=self.shared.index(root),
             session_id=session_id,
@@ -638,9 +638,12 @@ class ComposerServer(LanguageServer):
             Edit(path=e["path"], before=e["before"], after=e["after"], diff=e["diff"] or "")
             for e in trace["edits"]
         ]
-        record = Record(session_id=trace["session_id"], root=Path(trace["workspace"]), edits=edits)
-        record.from_trace = True  # type: ignore[attr-defined]
-        return record
+        return Record(
+            session_id=trace["session_id"],
+            root=Path(trace["workspace"]),
+            edits=edits,
+            from_trace=True,
+        )
 
     async def _revert(
         self, record: Record, paths: list[str] | None = None
@@ -665,7 +668,7 @@ class ComposerServer(LanguageServer):
         for path in order:
             before = first[path].before
             try:
-                if getattr(record, "from_trace", False):
+                if record.from_trace:
                     now = workspace.read_text(path) if workspace.exists(path) else None
                     if now != last[path].after:
                         failed.append(

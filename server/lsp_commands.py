@@ -9,7 +9,10 @@ are readable (and testable) on their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from opencomposer.agent.session import Policy
 
 ASK = "opencomposer.ask"
 CANCEL = "opencomposer.cancel"
@@ -20,8 +23,11 @@ SESSIONS = "opencomposer.sessions"
 SUBMIT = "opencomposer.submit"
 COMMANDS = (ASK, CANCEL, SEARCH, DECIDE, UNDO, SESSIONS, SUBMIT)
 
-POLICIES = ("none", "safe", "all")
+POLICIES: tuple[Policy, ...] = ("none", "safe", "all")
 DECISIONS = ("accept", "reject")
+
+
+_S = TypeVar("_S", bound=str)
 
 
 class ArgError(ValueError):
@@ -43,7 +49,7 @@ class AskArgs:
     selection: Range | None = None
     open_files: tuple[str, ...] = ()
     model: str | None = None
-    approve: str = "safe"
+    approve: Policy = "safe"
     reveal: bool = False  # window/showDocument on every edited file
     # the client's own setting: file changes run without a question under `safe`,
     # since each lands as an editor edit the user can accept, reject or undo
@@ -128,7 +134,7 @@ class _Obj:
             raise self._fail(name, f"an integer from {lo} to {hi}")
         return value
 
-    def choice(self, name: str, options: tuple[str, ...], default: str | None) -> str:
+    def choice(self, name: str, options: tuple[_S, ...], default: _S | None) -> _S:
         value = self.data.get(name, default)
         if value not in options:
             if name not in self.data:

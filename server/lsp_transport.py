@@ -35,7 +35,8 @@ import re
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from enum import Enum, auto
+from typing import Any, Final, Protocol
 
 from cattrs.errors import ClassValidationError
 from opencomposer.agent.text import valid_text
@@ -188,7 +189,13 @@ def _validation_detail(exc: BaseException) -> str:
     return str(cause or exc)
 
 
-_JUNK = object()  # FrameReader: bytes skipped without a report
+class _Junk(Enum):
+    """FrameReader: bytes skipped without a report."""
+
+    JUNK = auto()
+
+
+_JUNK: Final = _Junk.JUNK
 
 
 @dataclass
@@ -226,7 +233,7 @@ class FrameReader:
             if item is not _JUNK:
                 return item
 
-    async def _frame(self) -> bytes | BadFrame | object | None:
+    async def _frame(self) -> bytes | BadFrame | _Junk | None:
         length: int | None = None
         lines = 0
         while True:
@@ -262,7 +269,7 @@ class FrameReader:
             return self._lose(0, f"a {length}-byte message is over the {self.max_body}-byte limit")
         return await self._body(length)
 
-    def _lose(self, resume_from: int, message: str | None) -> BadFrame | object:
+    def _lose(self, resume_from: int, message: str | None) -> BadFrame | _Junk:
         """Out of step: resume at the next header line at or after buffer offset
         `resume_from`, and report `message` (None: known junk, already answered)."""
         self._lost = resume_from

@@ -37,6 +37,12 @@ class Workspace(Protocol):
         escapes it (`..`, absolute paths, symlinks pointing out)."""
         ...
 
+    def key(self, path: str, *, follow: bool = True) -> str:
+        """Canonical workspace-relative form of `path` (`.` for the root): one spelling
+        per file, whatever `./`, `..` or symlinks named it; PathError as in `resolve`.
+        With `follow=False` a symlink names itself, not its target."""
+        ...
+
     def relative(self, path: Path) -> str:
         """Workspace-relative POSIX form of an absolute path inside the workspace."""
         ...

@@ -86,11 +86,13 @@ class HFModel:
             prompt = await loop.run_in_executor(self._pool, self.tokenizer.prompt_ids, messages)
             check_fits(len(prompt), self.context_window)
             out.prompt_token_ids, out.prompt_tokens = prompt, len(prompt)
-            out.completion_token_ids, out.completion_logprobs = [], []
+            token_ids: list[int] = []
+            logprobs: list[float] = []
+            out.completion_token_ids, out.completion_logprobs = token_ids, logprobs
 
             def on_token(delta: str, token: int, logprob: float) -> None:
-                out.completion_token_ids.append(token)  # type: ignore[union-attr]
-                out.completion_logprobs.append(logprob)  # type: ignore[union-attr]
+                token_ids.append(token)
+                logprobs.append(logprob)
                 out.completion_tokens += 1
                 emit(delta)
 

@@ -172,7 +172,6 @@ class VLLMModel:
             prompt = self.tokenizer.prompt_ids(messages)
             check_fits(len(prompt), self.context_window)
             out.prompt_token_ids, out.prompt_tokens = prompt, len(prompt)
-            out.completion_token_ids, out.completion_logprobs = [], []
             out.weight_version = self.weight_version
             await self._generate(prompt, sampling, out, emit)
             if self.weight_version != out.weight_version:
@@ -186,6 +185,9 @@ class VLLMModel:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        out.completion_token_ids, out.completion_logprobs = token_ids, logprobs
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -200,10 +202,8 @@ class VLLMModel:
         async for result in self._engine.generate({"prompt_token_ids": prompt}, params, request_id):
             for completion in result.outputs[:1]:
                 ids = list(completion.token_ids)
-                out.completion_token_ids.extend(ids)  # type: ignore[union-attr]
-                out.completion_logprobs.extend(  # type: ignore[union-attr]
-                    _sampled_logprobs(ids, completion.logprobs)
-                )
+                token_ids.extend(ids)
+                logprobs.extend(_sampled_logprobs(ids, completion.logprobs))
                 out.completion_tokens += len(ids)
                 emit(completion.text)
                 if completion.finish_reason:
