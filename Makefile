@@ -52,9 +52,11 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# mypy checks the packages that pyproject.toml's [tool.mypy] lists.
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 format: setup
 	.venv/bin/ruff check --fix .
