@@ -30,11 +30,14 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult, Workspace
 from opencomposer.tools.workspace import walk_files
+
+if TYPE_CHECKING:
+    from tree_sitter_language_pack import SupportedLanguage
 
 LINT_MAX_FILES = 2000
 LINT_MAX_BYTES = 1024 * 1024
@@ -59,7 +62,7 @@ class Diagnostic:
 # -- languages and parsers ------------------------------------------------------
 
 
-_EXTENSIONS = {
+_EXTENSIONS: dict[SupportedLanguage, str] = {
     "python": "py pyi",
     "javascript": "js mjs cjs jsx",
     "typescript": "ts mts cts",
@@ -160,7 +163,7 @@ _EXTENSIONS = {
     "wast": "wast",
 }
 _BY_EXTENSION = {ext: lang for lang, exts in _EXTENSIONS.items() for ext in exts.split()}
-_BY_NAME = {
+_BY_NAME: dict[str, SupportedLanguage] = {
     "Makefile": "make",
     "GNUmakefile": "make",
     "Dockerfile": "dockerfile",
@@ -172,7 +175,7 @@ _BY_NAME = {
 }
 
 
-def detect_language(path: str) -> str | None:
+def detect_language(path: str) -> SupportedLanguage | None:
     """The tree-sitter language name for `path`, from its file name or extension."""
     name = path.rsplit("/", 1)[-1]
     if name in _BY_NAME:
@@ -182,12 +185,12 @@ def detect_language(path: str) -> str | None:
 
 
 @functools.cache
-def get_parser(language: str) -> Any | None:
+def get_parser(language: SupportedLanguage) -> Any | None:
     """A tree-sitter parser for `language` from the language pack, or None."""
     try:
         import tree_sitter_language_pack as pack
 
-        return pack.get_parser(language)  # type: ignore[arg-type]
+        return pack.get_parser(language)
     except Exception:
         return None
 

@@ -65,7 +65,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -684,7 +684,12 @@ class _Run:
 
 
 async def _spawn(
-    argv: list[str], root: Path, mode: str, **kw: object
+    argv: list[str],
+    root: Path,
+    mode: str,
+    *,
+    preexec_fn: Callable[[], object] | None = None,
+    pass_fds: Collection[int] = (),
 ) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         *argv,
@@ -694,7 +699,8 @@ async def _spawn(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        **kw,  # type: ignore[arg-type]
+        preexec_fn=preexec_fn,
+        pass_fds=pass_fds,
     )
 
 
