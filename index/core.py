@@ -48,7 +48,15 @@ import numpy as np
 
 from .chunking import Chunk, ChunkConfig, chunk_text
 from .embed import Embedder, EmbedderConfig
-from .files import WalkConfig, content_skip_reason, decode, name_skip_reason, walk
+from .files import (
+    Reader,
+    Unreadable,
+    WalkConfig,
+    content_skip_reason,
+    decode,
+    name_skip_reason,
+    walk,
+)
 from .lexical import FTS_TOKENIZER, document, fts_query, split_identifier
 from .merkle import Tree, content_hash, diff
 
@@ -368,39 +376,38 @@ class CodebaseIndex:
         stats_of: dict[str, tuple[int, int]] = {}
         racy = time.time_ns() - int(RACY_S * 1e9)
         paths = sorted(set(found.files) | set(self._buffers))
-        for i, rel in enumerate(paths):
-            if self.progress and i % 200 == 0:
-                self.progress("scan", i, len(paths))
-            if rel in self._buffers:
-                texts[rel] = self._buffers[rel]
-                hashes[rel] = content_hash(texts[rel].encode("utf-8", errors="replace"))
-                stats_of[rel] = (-1, -1)
-                continue
-            absolute = found.files[rel]
-            try:
-                st = absolute.stat()
-            except OSError:
-                skipped["vanished"] += 1
-                continue
-            old = stored.get(rel)
-            if old is not None and old[1] == st.st_size and old[2] == st.st_mtime_ns:
-                hashes[rel] = old[0]
-                stats_of[rel] = (st.st_size, st.st_mtime_ns)
-                continue
-            try:
-                data = absolute.read_bytes()
-            except OSError:
-                skipped["vanished"] += 1
-                continue
-            reason = content_skip_reason(data, self.walk_config)
-            text = decode(data) if reason is None else None
-            if text is None:
-                skipped[reason or "not UTF-8"] += 1
-                continue
-            hashes[rel] = content_hash(data)
-            texts[rel] = text
-            # A file written within the mtime tick may change again unseen: re-read it next time.
-            stats_of[rel] = (st.st_size, st.st_mtime_ns if st.st_mtime_ns < racy else -1)
+        with Reader(self.root, self.walk_config.max_file_bytes) as reader:
+            for i, rel in enumerate(paths):
+                if self.progress and i % 200 == 0:
+                    self.progress("scan", i, len(paths))
+                if rel in self._buffers:
+                    texts[rel] = self._buffers[rel]
+                    hashes[rel] = content_hash(texts[rel].encode("utf-8", errors="replace"))
+                    stats_of[rel] = (-1, -1)
+                    continue
+                size, mtime_ns = found.stats[rel]
+                old = stored.get(rel)
+                if old is not None and old[1] == size and old[2] == mtime_ns:
+                    hashes[rel] = old[0]
+                    stats_of[rel] = (size, mtime_ns)
+                    continue
+                try:
+                    data, st = reader.read(found.source(rel))
+                except Unreadable as e:  # became a symlink, FIFO or huge file since the walk
+                    skipped[e.reason] += 1
+                    continue
+                except OSError:
+                    skipped["vanished"] += 1
+                    continue
+                reason = content_skip_reason(data, self.walk_config)
+                text = decode(data) if reason is None else None
+                if text is None:
+                    skipped[reason or "not UTF-8"] += 1
+                    continue
+                hashes[rel] = content_hash(data)
+                texts[rel] = text
+                # A file written within the mtime tick may change again unseen: re-read it next time.
+                stats_of[rel] = (st.st_size, st.st_mtime_ns if st.st_mtime_ns < racy else -1)
         new_tree = Tree.build(hashes)
         changes = diff(self._tree, new_tree)
         # Files whose stat changed but content did not: refresh the stat cache only.
