@@ -63,7 +63,7 @@ class SessionStart(Event):
     started: float = local(0.0)  # wall-clock time at t = 0
     query: str = local("")
     sampling: dict[str, Any] = local(default_factory=dict)
-    tools: tuple[str, ...]  # the tools the session offers (clients hide their XML)
+    tools: tuple[str, ...]  # the tools the session offers
     prompt_style: str = local("")
 
 
@@ -75,11 +75,15 @@ class ModelStart(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDelta(Event):
-    """Streamed text as it arrives (live views; other consumers ignore it)."""
+    """Streamed text as it arrives (live views; other consumers ignore it). `prose` is
+    the text outside tool calls that the parser has decided since the last delta: it
+    lags `text` where a `<` may still open a call, and the pieces of a turn join to
+    its `Message.prose` (the calls show in `tool_start`/`tool_end` instead)."""
 
     type: ClassVar[str] = "model_delta"
     turn: int
     text: str
+    prose: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +134,12 @@ class ModelEnd(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Message(Event):
+    """A turn's whole reply; `prose` is it without its tool-call elements."""
+
     type: ClassVar[str] = "message"
     turn: int
     text: str
+    prose: str
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from opencomposer.agent.prompts import system_prompt, user_message
 from opencomposer.agent.protocols import Message, Model, ModelError, Sampling, TurnOutput
 from opencomposer.agent.text import valid_text
 from opencomposer.agent.traces import TraceStore
-from opencomposer.agent.xmlcalls import StreamParser
+from opencomposer.agent.xmlcalls import StreamParser, without_calls
 from opencomposer.tools import specs
 from opencomposer.tools.output import cap
 from opencomposer.tools.protocols import Edit, Index, SandboxConfig, ToolContext, Workspace
@@ -229,9 +229,10 @@ class Session:
         stream = self.model.stream(prompt, sampling)
         try:
             async for delta in stream:
+                parsed = parser.feed(delta)
                 if self.config.emit_deltas and delta:
-                    self.emit(ev.ModelDelta, turn=turn, text=delta)
-                for call in parser.feed(delta):
+                    self.emit(ev.ModelDelta, turn=turn, text=delta, prose=parser.prose())
+                for call in parsed:
                     executor.submit(call)
             for call in parser.close():
                 executor.submit(call)
@@ -246,7 +247,8 @@ class Session:
                 output=output,
                 t_start=t_start,
             )
-            self.emit(ev.Message, turn=turn, text=output.text)
+            prose = without_calls(parser.text, parser.calls)
+            self.emit(ev.Message, turn=turn, text=output.text, prose=prose)
             calls = await executor.wait()
         except BaseException:
             await stream.aclose()
@@ -383,7 +385,8 @@ class Session:
         trace = self.traces.ref(self.id) if self.traces else ""
         duration = self.clock.now()
         if error:
-            self.emit(ev.Message, turn=len(self.turns), text=f"[{status}] {error}")
+            note = f"[{status}] {error}"
+            self.emit(ev.Message, turn=len(self.turns), text=note, prose=note)
         self.emit(
             ev.SessionEnd,
             status=status,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 _NAME = re.compile(r"[A-Za-z_][\w\-]*")
@@ -161,6 +161,9 @@ class StreamParser:
         self._tag: _Tag | None = None  # an opening tag being read
         self._open: ParsedCall | None = None  # a call whose body is being read
         self._open_fenced = False
+        self._held: list[str] = []  # the message from `_held_at` on, for `prose`
+        self._held_at = 0
+        self._prose_calls = 0  # calls `prose` has cut out so far
 
     @property
     def text(self) -> str:
@@ -173,6 +176,7 @@ class StreamParser:
         if not chunk:
             return []
         self._pending.append(chunk)
+        self._held.append(chunk)
         if self._wait is not None and not self._wait.arrived(chunk):
             return []
         return self._scan(final=False)
@@ -188,6 +192,36 @@ class StreamParser:
             self.pos = len(self.buf)
             done.append(call)
         return done
+
+    @property
+    def decided(self) -> int:
+        """The message offset before which every character is known to be prose or part
+        of a finished call; what follows may still turn out to be a call."""
+        if self._open is not None:
+            return self._open.start
+        if self._tag is not None:
+            return self._tag.start
+        return self.base + self.pos
+
+    def prose(self) -> str:
+        """The prose decided since the last `prose()`: the message's text outside
+        tool-call elements, for live views. Text that may still open a call is held
+        back until the parser has decided it; after `close()` the rest comes out, so
+        the pieces join to `without_calls` of the whole message."""
+        end = self.decided
+        if end <= self._held_at:
+            return ""
+        held, base = "".join(self._held), self._held_at
+        out, at = [], base
+        while self._prose_calls < len(self.calls) and self.calls[self._prose_calls].start < end:
+            call = self.calls[self._prose_calls]
+            out.append(held[at - base : call.start - base])
+            at = call.end
+            self._prose_calls += 1
+        out.append(held[at - base : end - base])
+        at = max(at, end)
+        self._held, self._held_at = [held[at - base :]], at
+        return "".join(out)
 
     # -- scanning ----------------------------------------------------------------
 
@@ -496,6 +530,17 @@ def _trim(text: str) -> str:
     elif text.endswith("\n"):
         text = text[:-1]
     return text
+
+
+def without_calls(text: str, calls: Sequence[ParsedCall]) -> str:
+    """`text` with the elements of `calls` (the parser's calls on it) cut out: the
+    message as a person reads it, the calls being shown apart."""
+    out, at = [], 0
+    for call in calls:
+        out.append(text[at : call.start])
+        at = max(at, call.end)
+    out.append(text[at:])
+    return "".join(out)
 
 
 def parse_all(

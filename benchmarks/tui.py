@@ -67,12 +67,11 @@ def serve(rate: float, seconds: float) -> None:
                     sid, "tool_end", turn=1, call_id=call, name="grep", status="ok", duration_s=0.05
                 )
             else:
-                emit(
-                    sid, "model_delta", turn=1, text=f"token{i} " + ("\n\n" if i % 40 == 39 else "")
-                )
+                text = f"token{i} " + ("\n\n" if i % 40 == 39 else "")
+                emit(sid, "model_delta", turn=1, text=text, prose=text)
             i += 1
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-        emit(sid, "message", turn=1, text="done")
+        emit(sid, "message", turn=1, text="done", prose="done")
         emit(
             sid,
             "session_end",

@@ -75,7 +75,6 @@ class SessionView:
     cards: dict[str, ToolCard] = field(default_factory=dict)
     diffs: list[DiffEntry] = field(default_factory=list)
     answered: bool = False
-    tools: set[str] = field(default_factory=set)  # the server's tools (session_start)
 
 
 class Tick(Message, bubble=False):
@@ -459,9 +458,9 @@ class OpenComposerApp(App[int]):
         session.status = str(result.get("status", session.status))
         answer = str(result.get("answer") or "")
         if answer and not session.answered:
-            entry = AssistantEntry(session.turn + 1, session.tools)
+            entry = AssistantEntry(session.turn + 1)
             await self._mount(entry)
-            await entry.finish(answer)
+            await entry.finish(answer)  # a final answer holds no tool call
         if result.get("error"):
             await self._mount(NoteEntry(f"✗ {result['error']}", "error"))
         self._refresh_status()
@@ -477,17 +476,16 @@ class OpenComposerApp(App[int]):
             return
         if kind == "session_start":
             session.session_id = sid
-            session.tools.update(event.get("tools") or ())
             self.sessions_seen.append(str(sid))
         elif kind == "model_start":
             session.turn = int(event.get("turn", session.turn + 1))
             session.status = "thinking"
         elif kind == "model_delta":
             entry = await self._assistant(session, int(event.get("turn", session.turn)))
-            entry.add(str(event.get("text", "")))
+            entry.add(str(event.get("prose", "")))
         elif kind == "message":
             entry = await self._assistant(session, int(event.get("turn", session.turn)))
-            await entry.finish(str(event.get("text", "")))
+            await entry.finish(str(event.get("prose", "")))
             session.answered = True
         elif kind == "model_end":
             session.prompt_tokens += int(event.get("prompt_tokens") or 0)
@@ -534,7 +532,7 @@ class OpenComposerApp(App[int]):
     async def _assistant(self, session: SessionView, turn: int) -> AssistantEntry:
         entry = session.assistant.get(turn)
         if entry is None:
-            entry = AssistantEntry(turn, session.tools)
+            entry = AssistantEntry(turn)
             session.assistant[turn] = entry
             await self._mount(entry)
         return entry
@@ -542,7 +540,6 @@ class OpenComposerApp(App[int]):
     async def _tool_start(self, session: SessionView, event: dict[str, Any]) -> None:
         turn = int(event.get("turn", session.turn))
         name = str(event.get("name", "?"))
-        session.tools.add(name)  # one the server's list lacked
         group = session.groups.get(turn)
         if group is None:
             group = ToolGroup(turn, self.show_timings)

@@ -29,82 +29,11 @@ RESULT_LINES = 40
 RESULT_CHARS = 8_000
 DIFF_LINES = 400
 
-_OPEN_TAG = re.compile(r"<([A-Za-z_][\w\-]*)(?=[\s/>])")
-_PARTIAL_TAG = re.compile(r"<[A-Za-z_\-\w]*$")
 
-
-class ToolCallFilter:
-    """Streams assistant text with the tool-call XML elements cut out.
-
-    `names` are the server's tools (the `tools` of its `session_start` event, and any
-    name a `tool_start` shows); the set is read as it grows. `feed` may be called with
-    any chunking; it holds back a possible tag start at the end of a chunk until the
-    next chunk decides it.
-    """
-
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
-        self._buf = ""
-        self._inside: str | None = None
-        self._in_body = False
-
-    def feed(self, chunk: str) -> str:
-        self._buf += chunk
-        out: list[str] = []
-        while self._buf:
-            if self._inside is None:
-                i = self._buf.find("<")
-                if i < 0:
-                    out.append(self._buf)
-                    self._buf = ""
-                    break
-                out.append(self._buf[:i])
-                rest = self._buf[i:]
-                match = _OPEN_TAG.match(rest)
-                if match is None:
-                    if _PARTIAL_TAG.fullmatch(rest) and len(rest) < 40:
-                        self._buf = rest
-                        break
-                    out.append("<")
-                    self._buf = rest[1:]
-                    continue
-                if match.group(1) not in self.names:
-                    out.append(rest[: match.end()])
-                    self._buf = rest[match.end() :]
-                    continue
-                self._inside, self._in_body = match.group(1), False
-                self._buf = rest[match.end() :]
-            elif not self._in_body:
-                j = self._buf.find(">")
-                if j < 0:
-                    self._buf = self._buf[-1:] if self._buf.endswith("/") else ""
-                    break
-                self_closing = j > 0 and self._buf[j - 1] == "/"
-                self._buf = self._buf[j + 1 :]
-                if self_closing:
-                    self._inside = None
-                else:
-                    self._in_body = True
-            else:
-                close = f"</{self._inside}>"
-                k = self._buf.find(close)
-                if k < 0:
-                    self._buf = self._buf[-(len(close) - 1) :]
-                    break
-                self._buf = self._buf[k + len(close) :]
-                self._inside = None
-        return "".join(out)
-
-    def flush(self) -> str:
-        rest, self._buf = ("" if self._inside else self._buf), ""
-        return rest
-
-
-def visible_text(text: str, names: set[str]) -> str:
-    """`text` without its tool-call elements, blank-line runs squeezed."""
-    f = ToolCallFilter(names)
-    shown = f.feed(text) + f.flush()
-    return re.sub(r"\n{3,}", "\n\n", shown).strip()
+def prose_text(prose: str) -> str:
+    """A reply's prose (the server cut its tool-call XML out) as shown: blank-line runs
+    squeezed, where the calls stood."""
+    return re.sub(r"\n{3,}", "\n\n", prose).strip()
 
 
 def clip(text: str, max_lines: int = RESULT_LINES, max_chars: int = RESULT_CHARS) -> str:
@@ -355,21 +284,21 @@ class StreamView(OneLayout, Widget):
 class AssistantEntry(OneLayout, Markdown):
     """One assistant turn: streamed into a `StreamView`, full Markdown once it ends.
 
-    Tool-call XML is cut from the prose (the timeline shows the calls).
+    It shows the reply's prose, which the server's events carry with the tool-call XML
+    already cut out by the agent's parser (the timeline shows the calls).
     """
 
-    def __init__(self, turn: int, tools: set[str]) -> None:
+    def __init__(self, turn: int) -> None:
         super().__init__("", classes="assistant")
         self.turn = turn
-        self.filter = ToolCallFilter(tools)
         self.shown = ""
         self._pending = ""
         self._view: StreamView | None = None
         self.final = False
 
-    def add(self, delta: str) -> None:
-        """Queue streamed text; `App` flushes pending text to the screen on a timer."""
-        self._pending += self.filter.feed(delta)
+    def add(self, prose: str) -> None:
+        """Queue streamed prose; `App` flushes pending text to the screen on a timer."""
+        self._pending += prose
 
     async def flush(self) -> None:
         if not self._pending or self.final:
@@ -385,11 +314,11 @@ class AssistantEntry(OneLayout, Markdown):
         else:
             self._view.append(chunk)
 
-    async def finish(self, text: str) -> None:
+    async def finish(self, prose: str) -> None:
         """The whole message arrived: show exactly its prose, as full Markdown."""
         self.final = True
         self._pending = ""
-        final = visible_text(text, self.filter.names)
+        final = prose_text(prose)
         if final != self.shown.strip() or self._view is not None:
             self.shown = final
             await self.update(final)

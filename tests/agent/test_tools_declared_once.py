@@ -18,7 +18,6 @@ from opencomposer.agent.factory import open_session
 from opencomposer.agent.prompts import system_prompt
 from opencomposer.agent.session import SessionConfig
 from opencomposer.agent.xmlcalls import parse_all
-from opencomposer.clients.tui.transcript import visible_text
 from opencomposer.tools import specs
 from opencomposer.tools.protocols import ToolContext, ToolResult
 from opencomposer.tools.workspace import LocalWorkspace
@@ -83,10 +82,12 @@ async def test_a_registered_tool_is_everywhere(repo: Path, store, registered) ->
         metrics.observe(e)
     assert metrics.summary()["reads_before_first_edit"] == 1
 
-    # shown: clients learn it from session_start and hide its XML from the prose
+    # shown: session_start names it, and the prose clients show has its XML cut out
     start = next(e.to_wire() for e in events if isinstance(e, ev.SessionStart))
     assert "count_lines" in start["tools"]
-    assert visible_text(CALL, set(start["tools"])) == "Counting first."
+    first = [e for e in events if isinstance(e, ev.ModelDelta | ev.Message) and e.turn == 1]
+    assert "".join(e.prose for e in first if isinstance(e, ev.ModelDelta)) == "Counting first.\n"
+    assert [e.prose for e in first if isinstance(e, ev.Message)] == ["Counting first.\n"]
 
 
 def test_unregistered_it_is_gone(registered) -> None:

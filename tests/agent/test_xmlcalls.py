@@ -2,7 +2,7 @@
 never an exception, and chunking never changes what is parsed."""
 
 import pytest
-from opencomposer.agent.xmlcalls import StreamParser, parse_all
+from opencomposer.agent.xmlcalls import StreamParser, parse_all, without_calls
 from opencomposer.tools.specs import parser_rules
 
 _CHILDREN, _BARE = parser_rules()
@@ -194,3 +194,43 @@ def test_a_fence_opened_long_before_still_counts():
     text = "```\n" + "code line\n" * 20_000 + '<read_file path="a"/>\n```\n<read_file path="b"/>'
     first, second = parse_chunked(text, 64)
     assert "code fence" in first.error and second.error is None
+
+
+PROSE = (
+    'I\'ll read both.\n<read_file path="a.py"/>\n<edit_file path="b.py">\n<old>x < 1 && y</old>\n'
+    "<new>if a<b: pass</new>\n</edit_file>\nThen `List<int>` stays, <b>bold</b> stays.\n"
+    "```\n<grep pattern='x'/>\n```\n<unclosed_thing a='1'"
+)
+
+
+def test_prose_is_the_message_without_its_calls_whatever_the_chunking():
+    """Guards live views against showing tool-call XML, or text that later turns out to
+    open a call: `prose()` hands out only what the parser has decided, and the pieces
+    join to the message without its calls (fenced and unclosed calls included)."""
+    import random
+
+    whole = without_calls(PROSE, parse(PROSE))
+    assert whole == (
+        "I'll read both.\n\n\nThen `List<int>` stays, <b>bold</b> stays.\n```\n\n```\n"
+    )
+    rng = random.Random(7)
+    for _ in range(300):
+        p, pieces, i = StreamParser(_CHILDREN, _BARE), [], 0
+        while i < len(PROSE):
+            n = rng.randint(1, 9)
+            p.feed(PROSE[i : i + n])
+            piece = p.prose()
+            assert "<read_file" not in piece and "<old>" not in piece
+            pieces.append(piece)
+            i += n
+        p.close()
+        pieces.append(p.prose())
+        assert "".join(pieces) == whole
+
+
+def test_prose_holds_back_only_what_may_still_open_a_call():
+    p = StreamParser(_CHILDREN, _BARE)
+    p.feed("Let me look. <read")
+    assert p.prose() == "Let me look. "
+    p.feed('_file path="a.py"/> and a < b ')
+    assert p.prose() == " and a < b "

@@ -71,7 +71,10 @@ async def test_streamed_text_is_one_widget_then_full_markdown(tmp_path):
         app.server_event({"type": "session_start", **SID})
         app.server_event({"type": "model_start", "turn": 1, **SID})
         for i in range(0, len(text), 7):
-            app.server_event({"type": "model_delta", "turn": 1, "text": text[i : i + 7], **SID})
+            delta = text[i : i + 7]  # prose alone: no tool call in it
+            app.server_event(
+                {"type": "model_delta", "turn": 1, "text": delta, "prose": delta, **SID}
+            )
         entry = None
 
         def streamed() -> bool:
@@ -89,7 +92,7 @@ async def test_streamed_text_is_one_widget_then_full_markdown(tmp_path):
         assert rendered[0] == "Paragraph 0 says something." and rendered[1] == ""
         assert rendered[-1] == "Paragraph 59 says something."
 
-        app.server_event({"type": "message", "turn": 1, "text": text, **SID})
+        app.server_event({"type": "message", "turn": 1, "text": text, "prose": text, **SID})
         await _until(
             pilot, lambda: not entry.query(StreamView) and bool(entry.query(MarkdownBlock))
         )

@@ -1,21 +1,19 @@
-"""Pieces of the TUI that need no server: applying WorkspaceEdits to disk, cutting
-tool-call XML out of streamed prose, clipping huge tool output, and a 1 MB result
-reaching a tool card.
+"""Pieces of the TUI that need no server: applying WorkspaceEdits to disk, showing the
+prose the server's events carry, clipping huge tool output, and a 1 MB result reaching a
+tool card.
 
     .venv/bin/python -m pytest tests/clients/test_tui_units.py -q
 """
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 from lsprotocol import types as lsp
 from opencomposer.clients.tui.app import OpenComposerApp, SessionView, short_model
 from opencomposer.clients.tui.edits import EditError, apply_text_edits, apply_workspace_edit
-from opencomposer.clients.tui.transcript import ToolCallFilter, ToolCard, clip, visible_text
-from opencomposer.tools.specs import TOOL_NAMES
+from opencomposer.clients.tui.transcript import AssistantEntry, ToolCard, clip, prose_text
 from tui_harness import wait_for
 
 
@@ -61,27 +59,26 @@ def test_workspace_edit_create_edit_rename_delete(tmp_path):
         apply_workspace_edit(lsp.WorkspaceEdit(document_changes=[lsp.DeleteFile(uri=b.as_uri())]))
 
 
-TEXT = (
-    'I\'ll read both.\n<read_file path="a.py"/>\n<edit_file path="b.py">\n<old>x < 1 && y</old>\n'
-    "<new>if a<b: pass</new>\n</edit_file>\nThen `List<int>` stays, <b>bold</b> stays.\n"
-)
-
-
-def test_tool_xml_is_cut_from_prose_whatever_the_chunking():
-    expected = "I'll read both.\n\n\nThen `List<int>` stays, <b>bold</b> stays.\n"
-    names = set(TOOL_NAMES)  # what the server's session_start lists
-    whole = ToolCallFilter(names)
-    assert whole.feed(TEXT) + whole.flush() == expected
-    rng = random.Random(7)
-    for _ in range(200):
-        f, out, i = ToolCallFilter(names), [], 0
-        while i < len(TEXT):
-            n = rng.randint(1, 9)
-            out.append(f.feed(TEXT[i : i + n]))
-            i += n
-        assert "".join(out) + f.flush() == expected
-    assert (
-        visible_text(TEXT, names) == "I'll read both.\n\nThen `List<int>` stays, <b>bold</b> stays."
+async def test_prose_is_shown_from_the_events_not_parsed_again(tmp_path):
+    """Guards the TUI's own XML scanner, which could disagree with the agent's parser:
+    the TUI shows the `prose` of `model_delta` and `message` events, never their `text`."""
+    never = ["/bin/sh", "-c", "exit 1"]
+    app = OpenComposerApp(workspace=tmp_path, model="x", command=never, show_timings=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        app.session = SessionView(query="q")
+        sid = {"session_id": "s1"}
+        app.server_event({"type": "session_start", **sid})
+        for text, prose in [("Reading.\n<read_", "Reading.\n"), ('file path="a"/>', "")]:
+            delta = {"type": "model_delta", "turn": 1, "text": text, "prose": prose}
+            app.server_event({**delta, **sid})
+        await wait_for(pilot, lambda: bool(app.query(AssistantEntry)), 10, "the entry")
+        entry = app.query_one(AssistantEntry)
+        await wait_for(pilot, lambda: entry.shown == "Reading.\n", 10, "the streamed prose")
+        message = {"type": "message", "turn": 1, "text": "<b>x", "prose": "Read.\n\n\n\nOk\n"}
+        app.server_event({**message, **sid})
+        await wait_for(pilot, lambda: entry.shown == "Read.\n\nOk", 10, "the final prose")
+    assert prose_text("\n\nI'll read both.\n\n\n\nThen `List<int>` stays.\n") == (
+        "I'll read both.\n\nThen `List<int>` stays."
     )
 
 
