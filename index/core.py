@@ -19,8 +19,13 @@ benchmark `benchmarks/retrieval.py` measures fusion against each alone.
 
 Writers hold an exclusive `flock` on `.opencomposer/index/lock`, so two indexers
 never interleave; the second waits and then finds nothing left to do. A
-database that fails its integrity check, or was written by another format
-version or embedder, is deleted and rebuilt with a one-line warning.
+database that fails SQLite's integrity check or the index's own (every chunk
+has a vector, all of one size and the embedder's; the lexical rows are the
+chunks'), or was written by another format version or embedder, is deleted and
+rebuilt from disk with a one-line warning, at open or whenever a later call
+meets the damage. The index folder must be a real folder inside the workspace
+(`index_dir`), and whatever a workspace put where the index's own files go (a
+FIFO, a folder, a symlink) is removed before anything opens it.
 
 Thread safety: every public method takes one re-entrant lock, so the language
 server may call them from `asyncio.to_thread` concurrently.
@@ -30,10 +35,13 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import io
 import json
 import logging
 import os
+import shutil
 import sqlite3
+import stat
 import sys
 import threading
 import time
@@ -42,7 +50,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,6 +69,7 @@ from .lexical import FTS_TOKENIZER, document, fts_query, split_identifier
 from .merkle import Tree, content_hash, diff
 
 log = logging.getLogger("opencomposer.index")
+_T = TypeVar("_T")
 
 FORMAT_VERSION = 4
 INDEX_DIR = Path(".opencomposer") / "index"
@@ -79,6 +88,94 @@ Progress = Callable[[str, int, int], None]
 
 class IndexProblem(Exception):
     """A problem the user can act on (one line)."""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
+
+
+def _damage(e: BaseException) -> str:
+    """One line naming what is wrong with a damaged database."""
+    return f"corrupt ({_first_line(e)})"
+
+
+# SQLite result codes that say the database is busy, read-only, full or out of memory:
+# nothing is wrong with it, so it must not be deleted and rebuilt.
+_TRANSIENT = frozenset(
+    {5, 6, 7, 8, 9, 10, 13, 14, 23}
+)  # BUSY LOCKED NOMEM READONLY INTERRUPT IOERR FULL CANTOPEN AUTH
+
+
+def _check_transient(e: BaseException, where: Path) -> None:
+    """IndexProblem (one line) for an SQLite error that is not damage."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in _TRANSIENT:
+        raise IndexProblem(f"the index at {where} is unavailable: {_first_line(e)}") from None
+
+
+class _Corrupt(Exception):
+    """The stored index contradicts itself (what SQLite's own checks cannot see)."""
+
+
+# What a damaged database raises on the way in or out; the index is rebuilt on any of them.
+_DAMAGE = (sqlite3.DatabaseError, _Corrupt)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# The files SQLite and the writer lock keep in the index folder.
+_OWN_FILES = ("index.db", "index.db-wal", "index.db-shm", "index.db-journal", "lock", ".gitignore")
+
+
+def index_dir(root: Path) -> Path:
+    """`root`'s index folder, made if missing; IndexProblem if it is not a real folder.
+
+    A hostile workspace may make `.opencomposer` a symlink (the index would then
+    be written outside it) or put a FIFO, a folder or a symlink where the
+    database or lock goes (an open would block, fail, or follow the link out).
+    The folders must be real folders under the root; inside the index folder,
+    which is ours, any of our files that is not a regular file is removed.
+    SQLite opens the database by path, so this is a check before the open, not a
+    guarantee against a process swapping the file in between.
+    """
+    path = Path(root)
+    for part in INDEX_DIR.parts:
+        path = path / part
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise IndexProblem(f"cannot create the index folder {path}: {e.strerror}") from None
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder"
+            raise IndexProblem(
+                f"{path} is {what}; the index is kept only in a real folder inside the workspace"
+            )
+    for name in _OWN_FILES:
+        own = path / name
+        try:
+            st = os.lstat(own)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            continue
+        log.warning("opencomposer: %s is not a regular file; removing it", own)
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(own)
+            else:
+                os.unlink(own)
+        except OSError as e:
+            raise IndexProblem(f"cannot remove {own}: {e.strerror}") from None
+    try:  # keep the index out of the user's commits
+        fd = os.open(
+            path / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
+        )
+    except OSError:
+        pass  # there already, or a read-only workspace
+    else:
+        with open(fd, "w") as f:
+            f.write("*\n")
+    return path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +253,7 @@ class CodebaseIndex:
         self.chunk_config = ChunkConfig()
         self.walk_config = WalkConfig()
         self._lock = threading.RLock()
+        self._writing = False  # this object holds the flock (under self._lock)
         self._buffers: dict[str, str] = {}
         self._db: sqlite3.Connection | None = None
         self._generation = -1
@@ -210,13 +308,7 @@ class CodebaseIndex:
 
     def _connect(self) -> None:
         """Open the database; a corrupt or stale one is replaced (one-line warning)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        gitignore = self.dir / ".gitignore"  # keep the index out of the user's commits
-        if not gitignore.exists():
-            try:
-                gitignore.write_text("*\n")
-            except OSError:
-                pass
+        index_dir(self.root)
         problem = self._try_open()
         if problem is None:
             return
@@ -224,16 +316,27 @@ class CodebaseIndex:
             problem = self._try_open()  # another process may have rebuilt it meanwhile
             if problem is None:
                 return
-            log.warning("opencomposer: index at %s is %s; rebuilding it", self.dir, problem)
-            self._discard()
-            if (problem := self._try_open()) is not None:
-                raise IndexProblem(f"cannot create the index at {self.db_path}: {problem}")
+            self._rebuild(problem)
+
+    def _rebuild(self, problem: str) -> None:
+        """Replace the database with an empty one (under the writer lock); the next
+        `_refresh` fills it."""
+        log.warning("opencomposer: index at %s is %s; rebuilding it", self.dir, problem)
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        self._discard()
+        if (again := self._try_open()) is not None:
+            raise IndexProblem(f"cannot create the index at {self.db_path}: {again}")
 
     def _try_open(self) -> str | None:
         if self._db is not None:
             self._db.close()
             self._db = None
-        fresh = not self.db_path.exists() or self.db_path.stat().st_size == 0
+        try:
+            fresh = os.lstat(self.db_path).st_size == 0
+        except FileNotFoundError:
+            fresh = True
         try:
             db = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
         except sqlite3.Error as e:
@@ -259,24 +362,42 @@ class CodebaseIndex:
                     )
             self._db = db
             self._load_memory()
-        except (sqlite3.DatabaseError, ValueError) as e:
+        except (*_DAMAGE, ValueError, TypeError) as e:
             db.close()
             self._db = None
-            return f"corrupt ({str(e).splitlines()[0][:120]})"
+            _check_transient(e, self.dir)
+            return _damage(e)
         return None
 
     def _discard(self) -> None:
         for suffix in ("", "-wal", "-shm", "-journal"):
+            path = str(self.db_path) + suffix
             try:
-                os.unlink(str(self.db_path) + suffix)
+                os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                raise IndexProblem(
+                    f"cannot remove the damaged index {path}: {e.strerror}"
+                ) from None
 
     @contextmanager
     def _writer(self) -> Iterator[None]:
-        """Exclusive across processes (flock) and threads (RLock)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with self._lock, open(self.dir / "lock", "a+") as f:
+        """Exclusive across processes (flock) and threads (RLock); re-entrant."""
+        with self._lock:
+            if self._writing:
+                yield
+                return
+            with self._locked():
+                self._writing = True
+                try:
+                    yield
+                finally:
+                    self._writing = False
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock_file() as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -296,6 +417,21 @@ class CodebaseIndex:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _lock_file(self) -> io.FileIO:
+        """The lock file, opened so that whatever a workspace put there never blocks or is followed."""
+        index_dir(self.root)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
+        try:
+            fd = os.open(self.dir / "lock", flags, 0o644)
+        except OSError as e:
+            raise IndexProblem(
+                f"cannot open the index lock {self.dir / 'lock'}: {e.strerror}"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise IndexProblem(f"{self.dir / 'lock'} is not a regular file")
+        return io.FileIO(fd, "r+")
 
     # -- memory state ------------------------------------------------------------
 
@@ -321,7 +457,12 @@ class CodebaseIndex:
             "SELECT c.id, v.vec FROM chunks c JOIN vectors v ON v.vkey = c.vkey"
         ).fetchall()
         if len(rows) != len(self._meta):
-            raise ValueError(f"{len(self._meta) - len(rows)} chunks have no vector")
+            raise _Corrupt(f"{len(self._meta) - len(rows)} chunks have no vector")
+        if len({len(r[1]) for r in rows}) > 1 or (rows and len(rows[0][1]) % 2):
+            raise _Corrupt("stored vectors differ in length")
+        # FTS5's own row count (a shadow table: no scan); lexical rows must be the chunks'.
+        if db.execute("SELECT count(*) FROM lex_docsize").fetchone()[0] != len(self._meta):
+            raise _Corrupt("the lexical index and the chunks disagree")
         ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
         vecs = (
             np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float16)
@@ -339,8 +480,18 @@ class CodebaseIndex:
         return self.embedder.dim
 
     def _reload_if_changed(self) -> None:
-        if self._stored_generation() != self._generation:
-            self._load_memory()
+        try:
+            if self._stored_generation() != self._generation:
+                self._load_memory()
+        except (ValueError, TypeError) as e:
+            raise _Corrupt(str(e)) from None
+
+    def _check_dim(self, vecs: np.ndarray) -> None:
+        """Vectors from the embedder must fit the stored ones (a damaged store may not)."""
+        if vecs.ndim != 2 or vecs.shape[1] != self._vectors.d:
+            raise _Corrupt(
+                f"stored vectors have {self._vectors.d} dimensions, the embedder gives {vecs.shape[-1]}"
+            )
 
     # -- building ------------------------------------------------------------------
 
@@ -348,18 +499,32 @@ class CodebaseIndex:
         """Bring the index up to date with disk (and open buffers); embed only what changed."""
         t0 = time.perf_counter()
         with self._writer():
-            try:
-                stats = self._refresh()
-            except sqlite3.DatabaseError as e:
-                log.warning("opencomposer: index at %s is corrupt (%s); rebuilding it", self.dir, e)
-                self._discard()
-                if (problem := self._try_open()) is not None:
-                    raise IndexProblem(
-                        f"cannot rebuild the index at {self.db_path}: {problem}"
-                    ) from e
-                stats = self._refresh()
+            stats = self._repairing(self._refresh, then=lambda rebuilt: rebuilt)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _repairing(self, work: Callable[[], _T], *, then: Callable[[IndexStats], _T]) -> _T:
+        """`work()`; if the database turns out damaged, rebuild it from disk and
+        return `then(stats of the rebuild)`.
+
+        Every public method goes through here, so a database damaged while open, or
+        in ways its integrity check cannot see, is rebuilt with one warning; a
+        second failure is one IndexProblem line, never a traceback.
+        """
+        with self._lock:
+            try:
+                return work()
+            except _DAMAGE as e:
+                _check_transient(e, self.dir)
+                problem = _damage(e)
+            with self._writer():
+                self._rebuild(problem)
+                try:
+                    return then(self._refresh())
+                except _DAMAGE as e:
+                    raise IndexProblem(
+                        f"the index at {self.dir} is unusable even rebuilt: {_damage(e)}"
+                    ) from None
 
     def _refresh(self) -> IndexStats:
         t_scan = time.perf_counter()
@@ -484,6 +649,7 @@ class CodebaseIndex:
                     need.setdefault(key, t)
             t0 = time.perf_counter()
             vecs = self._embed_with_progress(list(need.values()), done, total)
+            self._check_dim(vecs)
             embed_s += time.perf_counter() - t0
             self._phases["embed"] += time.perf_counter() - t0
             embedded += len(need)
@@ -596,19 +762,23 @@ class CodebaseIndex:
         rel = self._relative(path)
         if name_skip_reason(rel.rsplit("/", 1)[-1]) is not None:
             return IndexStats()
-        with self._writer():
+
+        def run() -> IndexStats:
             self._reload_if_changed()
-            self._buffers[rel] = text
             chunks = chunk_text(rel, text, self.chunk_config)
             h = content_hash(text.encode("utf-8", errors="replace"))
             embedded, embed_s = self._write({rel: chunks}, removed=[], file_rows={rel: (h, -1, -1)})
             files = dict(self._tree.files)
             files[rel] = h
             self._tree = Tree.build(files)
-        return IndexStats(
-            files=1, chunks=len(self._meta), files_changed=1, chunks_embedded=embedded,
-            seconds=time.perf_counter() - t0, embed_seconds=embed_s,
-        )  # fmt: skip
+            return IndexStats(
+                files=1, chunks=len(self._meta), files_changed=1, chunks_embedded=embedded,
+                seconds=time.perf_counter() - t0, embed_seconds=embed_s,
+            )  # fmt: skip
+
+        with self._writer():
+            self._buffers[rel] = text  # a rebuild indexes it too
+            return self._repairing(run, then=lambda rebuilt: rebuilt)
 
     def drop_buffer(self, path: str) -> None:
         """The editor closed path: disk is the truth again from the next refresh."""
@@ -618,13 +788,17 @@ class CodebaseIndex:
     def remove(self, path: str) -> None:
         """Forget a file, or every file under a folder."""
         rel = self._relative(path)
-        with self._writer():
+
+        def run() -> None:
             self._reload_if_changed()
-            self._buffers.pop(rel, None)
             prefix = rel.rstrip("/") + "/"
             gone = [p for p in self._tree.files if p == rel or p.startswith(prefix)]
             self._write({}, removed=gone, file_rows={})
             self._tree = Tree.build({p: h for p, h in self._tree.files.items() if p not in gone})
+
+        with self._writer():
+            self._buffers.pop(rel, None)
+            self._repairing(run, then=lambda _: run())
 
     def _relative(self, path: str | Path) -> str:
         p = Path(path)
@@ -647,6 +821,13 @@ class CodebaseIndex:
 
     def search(self, query: str, *, k: int = 10, path: str | None = None) -> list[Hit]:
         """The k best chunks for query, fused from vector and lexical ranks; path: prefix or glob."""
+
+        def run() -> list[Hit]:
+            return self._search(query, k, path)
+
+        return self._repairing(run, then=lambda _: run())
+
+    def _search(self, query: str, k: int, path: str | None) -> list[Hit]:
         with self._lock:
             self._reload_if_changed()
             if not query.strip() or not self._meta or k <= 0:
@@ -683,6 +864,7 @@ class CodebaseIndex:
         if n <= 0 or not self._meta:
             return []
         qv = self._query_vector(query[:4000])
+        self._check_dim(qv)
         params = None
         if allowed is not None:
             sel = faiss.IDSelectorBatch(allowed)

@@ -23,7 +23,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-from .core import INDEX_DIR
+from .core import INDEX_DIR, index_dir
 
 
 def database(root: Path) -> Path:
@@ -32,12 +32,16 @@ def database(root: Path) -> Path:
 
 
 def seed(root: Path, db: Path, *, trust_stats: bool) -> None:
-    """Copy the index database `db` into the workspace `root` (replacing its own)."""
-    dest = database(root)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    """Copy the index database `db` into the workspace `root` (replacing its own).
+
+    The index folder must be a real folder inside `root` (IndexProblem otherwise), and
+    the copy is written to a fresh file: nothing a workspace put there is followed.
+    """
+    dest = index_dir(root) / database(root).name
     for suffix in ("-wal", "-shm", "-journal"):
         Path(str(dest) + suffix).unlink(missing_ok=True)
     tmp = dest.with_suffix(".seeding")
+    tmp.unlink(missing_ok=True)
     shutil.copyfile(db, tmp)
     if not trust_stats:
         con = sqlite3.connect(tmp)

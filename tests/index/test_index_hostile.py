@@ -11,6 +11,7 @@ by effects: the rows in the index database, the files outside the workspace.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -22,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opencomposer.index import CodebaseIndex, core
+from opencomposer.index import CodebaseIndex, IndexProblem, core
+from opencomposer.index.cli import cmd_index
 from opencomposer.index.files import MAX_DEPTH, walk
+from opencomposer.index.snapshots import seed
 
 SECRET = "OUTSIDE_SECRET_TOKEN_7f3a"
 DOTENV = "INSIDE_DOTENV_TOKEN_91c2"
@@ -232,3 +235,244 @@ def test_backtracking_ignore_rules_are_dropped(tmp_path: Path) -> None:
     files, skipped = json.loads(done.stdout)
     assert files == [".gitignore", long_name]  # the simple rule still hides noise.log
     assert skipped == {"ignore rule too complex": 1}
+
+
+def _fifo(p: Path) -> None:
+    os.mkfifo(p)
+
+
+def _folder(p: Path) -> None:
+    p.mkdir()
+    (p / "x").write_text("x")
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("index.db", _fifo),
+        ("index.db", _folder),
+        ("index.db-wal", _fifo),
+        ("lock", _fifo),
+        ("lock", _folder),
+        (".gitignore", _fifo),
+    ],
+)
+def test_odd_entries_in_the_index_folder_are_replaced(
+    workspace: Path, embedder_env: Path, name: str, make: Callable[[Path], None]
+) -> None:
+    """Guards: a FIFO or folder where the lock or database goes made refresh raise a
+    traceback ("not seekable", IsADirectoryError) or could block the open."""
+    folder = workspace / ".opencomposer/index"
+    folder.mkdir(parents=True)
+    make(folder / name)
+
+    def build() -> list[Any]:
+        with CodebaseIndex.open(workspace) as index:
+            index.refresh()
+            return index.search("retry with backoff", k=1)
+
+    hits = finishes(build, 60, fifos=(folder / name,))
+    assert hits[0].path == "src/retry.py"
+    entry = folder / name
+    assert (folder / "lock").is_file() and (entry.is_file() or not entry.exists())
+
+
+def test_symlinks_in_the_index_folder_never_write_outside(
+    workspace: Path, embedder_env: Path, tmp_path: Path
+) -> None:
+    """Guards: index files that are symlinks were followed: a dangling `.gitignore`
+    link created a file outside the workspace, and a linked database was opened
+    (and switched to WAL) wherever it pointed."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    other = out / "other.db"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    other_bytes = other.read_bytes()
+    folder = workspace / ".opencomposer/index"
+    folder.mkdir(parents=True)
+    os.symlink(out / "created_by_index", folder / ".gitignore")
+    os.symlink(other, folder / "index.db")
+    os.symlink(out / "lockfile", folder / "lock")
+    with CodebaseIndex.open(workspace) as index:
+        index.refresh()
+        assert index.search("retry with backoff", k=1)[0].path == "src/retry.py"
+    assert sorted(os.listdir(out)) == ["other.db"]
+    assert other.read_bytes() == other_bytes
+    assert not (folder / "index.db").is_symlink() and (folder / ".gitignore").read_text() == "*\n"
+
+
+@pytest.mark.parametrize("kind", ["outside symlink", "file"])
+def test_index_folder_that_is_not_a_folder_is_one_line(
+    workspace: Path,
+    embedder_env: Path,
+    tmp_path: Path,
+    kind: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Guards: `.opencomposer` as a symlink put the whole index (and its writes)
+    outside the workspace; as a file it raised NotADirectoryError with a traceback."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    if kind == "file":
+        (workspace / ".opencomposer").write_text("not a folder\n")
+    else:
+        os.symlink(out, workspace / ".opencomposer")
+    with pytest.raises(IndexProblem, match=r"\.opencomposer is .*real folder inside the workspace"):
+        CodebaseIndex.open(workspace)
+    assert os.listdir(out) == []
+    assert cmd_index(workspace) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_seeding_a_workspace_never_writes_outside(workspace: Path, tmp_path: Path) -> None:
+    """Guards: seeding a workspace's index from a stored database followed a symlinked
+    `.opencomposer` or a planted `index.seeding` link and wrote the copy outside."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    stored = tmp_path / "stored.db"
+    stored.write_bytes(b"SQLite format 3\0" + bytes(100))
+    folder = workspace / ".opencomposer/index"
+    folder.mkdir(parents=True)
+    os.symlink(out / "planted", folder / "index.seeding")
+    seed(workspace, stored, trust_stats=True)
+    assert os.listdir(out) == []
+    assert (folder / "index.db").read_bytes() == stored.read_bytes()
+    other = tmp_path / "other_ws"
+    other.mkdir()
+    os.symlink(out, other / ".opencomposer")
+    with pytest.raises(IndexProblem, match="real folder inside the workspace"):
+        seed(other, stored, trust_stats=True)
+    assert os.listdir(out) == []
+
+
+def _sql(statement: str) -> Callable[[Path], None]:
+    def damage(db: Path) -> None:
+        con = sqlite3.connect(db)
+        con.execute(statement)
+        con.commit()
+        con.close()
+
+    return damage
+
+
+def _overwrite(data: bytes, suffix: str = "") -> Callable[[Path], None]:
+    def damage(db: Path) -> None:
+        Path(str(db) + suffix).write_bytes(data)
+
+    return damage
+
+
+DAMAGES = {
+    "truncated": lambda db: db.write_bytes(db.read_bytes()[:8192]),
+    "garbage": _overwrite(b"\x8f\x00garbage" * 5000),
+    "zero-filled": _overwrite(bytes(65536)),
+    "garbage wal": _overwrite(os.urandom(1 << 16), "-wal"),
+    "garbage shm": _overwrite(os.urandom(1 << 15), "-shm"),
+    "vectors of another size": _sql("UPDATE vectors SET vec = substr(vec, 1, 8)"),
+    "vectors of mixed sizes": _sql("UPDATE vectors SET vec = substr(vec, 1, 16) WHERE rowid % 2"),
+    "generation not a number": _sql("UPDATE meta SET value = 'x' WHERE key = 'generation'"),
+    "chunks table dropped": _sql("DROP TABLE chunks"),
+    "lexical table dropped": _sql("DROP TABLE lex"),
+    "meta emptied": _sql("DELETE FROM meta"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_index_is_rebuilt_with_one_warning(
+    workspace: Path, embedder_env: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Guards: damage SQLite's integrity check cannot see (vectors of the wrong size,
+    a dropped table) raised a FAISS AssertionError or IntegrityError traceback at
+    the first refresh or search instead of a rebuild."""
+    with CodebaseIndex.open(workspace) as index:
+        index.refresh()
+    db = workspace / ".opencomposer/index/index.db"
+    DAMAGES[damage](db)
+    with caplog.at_level(logging.WARNING, logger="opencomposer.index"):
+        index = CodebaseIndex.open(workspace)
+        index.refresh()
+        hits = index.search("retry with backoff", k=1)
+        index.update_buffer("src/extra.py", "def circuit_reset():\n    return 0\n")
+        assert index.search("circuit_reset", k=1)[0].path == "src/extra.py"
+        index.close()
+    assert hits[0].path == "src/retry.py"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1 and all("\n" not in w for w in warnings)
+    paths, _ = indexed(workspace)
+    assert {"src/retry.py", "src/parse.py", "web/app.ts", "src/extra.py"} <= paths
+
+
+@pytest.mark.parametrize("during", ["search", "refresh", "update_buffer"])
+def test_index_damaged_while_open_is_rebuilt(
+    workspace: Path, embedder_env: Path, during: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Guards: an open index whose database another process damaged raised
+    OperationalError ("no such table") out of search, a traceback in
+    codebase_search, instead of rebuilding."""
+    index = CodebaseIndex.open(workspace)
+    index.refresh()
+    other = sqlite3.connect(workspace / ".opencomposer/index/index.db")
+    other.execute("DROP TABLE lex")
+    other.execute("UPDATE meta SET value = value + 1 WHERE key = 'generation'")
+    other.commit()
+    other.close()
+    with caplog.at_level(logging.WARNING, logger="opencomposer.index"):
+        if during == "refresh":
+            index.refresh()
+        elif during == "update_buffer":
+            index.update_buffer("src/extra.py", "def circuit_reset():\n    return 0\n")
+        hits = index.search("retry with backoff", k=1)
+    assert hits[0].path == "src/retry.py"
+    assert len([r for r in caplog.records if "rebuilding" in r.getMessage()]) == 1
+    index.close()
+
+
+def test_cli_on_a_damaged_index_warns_in_one_line(
+    workspace: Path,
+    embedder_env: Path,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Guards: a garbage database must give `opencomposer index` one warning line and
+    a rebuilt index (exit 0), never a traceback."""
+    assert cmd_index(workspace, quiet=True) == 0
+    db = workspace / ".opencomposer/index/index.db"
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    db.write_bytes(b"not a database" * 1000)
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="opencomposer.index"):
+        assert cmd_index(workspace) == 0
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "rebuilding" in warnings[0] and "\n" not in warnings[0]
+    assert "indexed 4 files" in out and "4 files changed" in out
+
+
+def test_a_busy_database_is_not_mistaken_for_damage(
+    workspace: Path, embedder_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guards: every sqlite3.DatabaseError counted as damage, so a database that was
+    only locked by another process (SQLITE_BUSY) would have been deleted and rebuilt."""
+    index = CodebaseIndex.open(workspace)
+    index.refresh()
+    db = workspace / ".opencomposer/index/index.db"
+    inode = db.stat().st_ino
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = 5  # SQLITE_BUSY
+
+    def locked(*args: Any, **kwargs: Any) -> list[int]:
+        raise busy
+
+    monkeypatch.setattr(index, "lexical_search", locked)
+    with pytest.raises(IndexProblem, match="unavailable: database is locked"):
+        index.search("retry with backoff", k=1)
+    assert db.stat().st_ino == inode and len(index) > 0
+    monkeypatch.undo()
+    assert index.search("retry with backoff", k=1)[0].path == "src/retry.py"
+    index.close()
