@@ -145,7 +145,7 @@ class EditorWorkspace(LocalWorkspace):
         key = self.key(path, follow=False)  # a symlink goes, never its target
         target = self.root / key
         if target.is_dir():
-            raise ToolError(f"{key} is a directory; delete_file removes files only")
+            raise ToolError(f"{key} is a directory; only files are deleted")
         if not self.exists(key):
             raise ToolError(f"file not found: {key}")
         can_delete = "delete" in self.editor.resource_operations and self.editor.document_changes

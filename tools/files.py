@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResult
+from opencomposer.tools.specs import GREP, LIST_DIR, READ_FILE, RUN_TERMINAL, WRITE_FILE
 from opencomposer.tools.workspace import MAX_FILE_BYTES, walk
 
 READ_MAX_LINES = 2000
@@ -186,13 +187,13 @@ async def read_file(
     ws = ctx.workspace
     key = ws.relative(ws.resolve(path))
     if ws.is_dir(path):
-        raise ToolError(f"{key} is a directory; use list_dir to see what it holds")
+        raise ToolError(f"{key} is a directory; use {LIST_DIR} to see what it holds")
     target = ws.resolve(path)
     if target.is_file() and target.stat().st_size > READ_MAX_FILE_BYTES and key not in ws.overlay():
         size_mb = target.stat().st_size / 1e6
         raise ToolError(
-            f"{key} is {size_mb:.0f} MB, too big for read_file (limit "
-            f"{READ_MAX_FILE_BYTES // 1_000_000} MB); use grep, or run_terminal with sed -n 'A,Bp'"
+            f"{key} is {size_mb:.0f} MB, too big to read (limit "
+            f"{READ_MAX_FILE_BYTES // 1_000_000} MB); use {GREP}, or {RUN_TERMINAL} with sed -n 'A,Bp'"
         )
     lines = split_lines(ws.read_text(path))
     total = len(lines)
@@ -438,10 +439,10 @@ async def edit_file(
     ws = ctx.workspace
     key = ws.relative(ws.resolve(path))
     if not old:
-        raise ToolError("old is empty; use write_file to create or overwrite a whole file")
+        raise ToolError(f"old is empty; use {WRITE_FILE} to create or overwrite a whole file")
     before = _read_existing(ctx, path)
     if before is None:
-        raise ToolError(f"file not found: {key} (use write_file to create it)")
+        raise ToolError(f"file not found: {key} (use {WRITE_FILE} to create it)")
     if old == new:
         raise ToolError("old and new are the same; nothing to change")
     try:
@@ -450,7 +451,7 @@ async def edit_file(
         else:
             after, count, how = apply_edit(before, old, new, replace_all)
     except ToolError as e:
-        raise ToolError(f"edit_file {key}: {e}") from None
+        raise ToolError(f"{key}: {e}") from None
     if after == before:
         return ToolResult.ok(f"{key} unchanged: the replacement gives the same text")
     await ws.write_text(key, after)
@@ -471,7 +472,7 @@ async def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
     ws = ctx.workspace
     key = ws.relative(ws.resolve(path))
     if key == ".":
-        raise ToolError("write_file needs a file path, not the workspace root")
+        raise ToolError("path must name a file, not the workspace root")
     try:
         before = _read_existing(ctx, path)
     except ToolError as e:
@@ -496,7 +497,7 @@ async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
     ws = ctx.workspace
     key = ws.key(path, follow=False)  # a symlink names itself: the link goes, not its target
     if key == "." or ws.is_dir(path):
-        raise ToolError(f"{key} is a directory; delete_file removes files only")
+        raise ToolError(f"{key} is a directory; only files are deleted")
     if not ws.exists(path):
         raise ToolError(f"file not found: {key}")
     try:
@@ -504,7 +505,7 @@ async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
     except ToolError as e:
         if "binary" in str(e) or "not UTF-8" in str(e):
             raise ToolError(
-                f"{key} is not a text file; delete_file only removes text files it can restore"
+                f"{key} is not a text file; only text files, which can be restored, are deleted"
             ) from None
         raise
     await ws.delete(key)
@@ -527,7 +528,7 @@ async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResu
     depth = min(depth, 12)
     if not ws.is_dir(key):
         if ws.exists(key):
-            raise ToolError(f"{key} is a file, not a directory; use read_file")
+            raise ToolError(f"{key} is a file, not a directory; use {READ_FILE}")
         raise ToolError(f"directory not found: {key}")
     start = "" if key == "." else key
     base_depth = start.count("/") + 1 if start else 0

@@ -318,7 +318,7 @@ def _targets(ws: Workspace, paths: list[str] | None) -> tuple[list[str], int]:
                     found[rel] = None
         elif ws.exists(key):
             if key not in ws.overlay() and not _regular(ws.root / key):
-                raise ToolError(f"{key} is not a regular file; read_lints checks text files")
+                raise ToolError(f"{key} is not a regular file; only text files are checked")
             found[key] = None
         else:
             raise ToolError(f"path not found: {key}")

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import pathspec
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import SearchHit, ToolContext, ToolError, ToolResult
+from opencomposer.tools.specs import GLOB, GREP
 from opencomposer.tools.workspace import parent_dir, read_regular, walk_files
 
 GREP_MAX_SHOWN = 200
@@ -378,7 +379,7 @@ async def codebase_search(
     ctx: ToolContext, query: str, path: str | None = None, k: int = 8
 ) -> ToolResult:
     if not query.strip():
-        raise ToolError("codebase_search query is empty")
+        raise ToolError("query is empty")
     if not 1 <= k <= 50:
         raise ToolError(f"k must be between 1 and 50, got {k}")
     folder = None
@@ -393,13 +394,11 @@ async def codebase_search(
             raise
         except Exception as e:
             raise ToolError(
-                f"codebase_search is unavailable: the index failed to open ({e})"
+                f"the codebase index failed to open ({e}); use {GREP} or {GLOB}"
             ) from None
         ctx.index = index
     if index is None:
-        raise ToolError(
-            "codebase_search is unavailable: no codebase index for this workspace; use grep or glob"
-        )
+        raise ToolError(f"no codebase index for this workspace; use {GREP} or {GLOB}")
     hits = await asyncio.to_thread(index.search, query, k=k, path=folder)
     if not hits:
         return ToolResult.ok(f"no results for {query!r}", meta={"results": 0})

@@ -30,6 +30,21 @@ ParamKind = Literal["str", "int", "float", "bool", "list"]
 Kind = Literal["read", "search", "check", "edit", "command"]
 ALL = ""  # the footprint prefix that covers the whole workspace
 
+# The built-in tools' names, for code that must name one tool (another tool's error
+# message pointing to it, a scripted demonstration): SPECS declares each under its name
+# here, so renaming a tool is one edit. Code that asks what a call does reads its spec's
+# `kind` instead.
+READ_FILE = "read_file"
+EDIT_FILE = "edit_file"
+WRITE_FILE = "write_file"
+DELETE_FILE = "delete_file"
+LIST_DIR = "list_dir"
+GLOB = "glob"
+GREP = "grep"
+CODEBASE_SEARCH = "codebase_search"
+READ_LINTS = "read_lints"
+RUN_TERMINAL = "run_terminal"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Param:
@@ -176,6 +191,35 @@ class ToolSpec:
         lines.append("Example:\n" + self.example)
         return "\n".join(lines)
 
+    def render_call(self, **args: Any) -> str:
+        """A call of this tool as the model writes it, which the parser reads back as
+        `args`: short parameters as attributes (`&` and `"` escaped), long ones as raw
+        child elements, in the layout of the prompt's examples."""
+        attrs, children = [], []
+        for name, value in args.items():
+            p = self.param(name)
+            if p is None:
+                raise ValueError(f"{self.name} has no parameter {name}")
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, list | tuple):
+                text = " ".join(map(str, value))
+            else:
+                text = str(value)
+            if not p.child:
+                quoted = text.replace("&", "&amp;").replace('"', "&quot;")
+                attrs.append(f' {name}="{quoted}"')
+                continue
+            if f"</{name}>" in text:
+                raise ValueError(f"{self.name}: <{name}> text cannot hold </{name}>")
+            # the parser drops one newline at each end of a child's text: give it one
+            head = "\n" if text.startswith(("\n", "\r\n")) else ""
+            tail = "\n" if text.endswith("\n") else ""
+            children.append(f"<{name}>{head}{text}{tail}</{name}>")
+        if not children:
+            return f"<{self.name}{''.join(attrs)}/>"
+        return f"<{self.name}{''.join(attrs)}>\n" + "\n".join(children) + f"\n</{self.name}>"
+
     def render_compact(self) -> str:
         """One line for small models: the example call with child elements joined
         onto it, then the first sentence of the summary."""
@@ -206,7 +250,7 @@ def _lint_reads(args: Mapping[str, Any]) -> Footprint:
 
 SPECS: tuple[ToolSpec, ...] = (
     ToolSpec(
-        name="read_file",
+        name=READ_FILE,
         summary="Read a text file; lines come back numbered. Open editor buffers win over disk.",
         params=(
             Param(name="path", doc="workspace-relative path"),
@@ -219,7 +263,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<read_file path="src/app.py" start_line="1" end_line="60"/>',
     ),
     ToolSpec(
-        name="edit_file",
+        name=EDIT_FILE,
         summary=(
             "Replace text in a file. <old> must match the file exactly once "
             "(whitespace differences are tolerated); include enough lines to be unique."
@@ -240,7 +284,7 @@ SPECS: tuple[ToolSpec, ...] = (
         rule="Edit with edit_file: <old> must match the file once; include enough context.",
     ),
     ToolSpec(
-        name="write_file",
+        name=WRITE_FILE,
         summary="Create a file, or overwrite it whole.",
         params=(
             Param(name="path", doc="workspace-relative path"),
@@ -252,7 +296,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<write_file path="notes.txt">\n<content>hello\n</content>\n</write_file>',
     ),
     ToolSpec(
-        name="delete_file",
+        name=DELETE_FILE,
         summary="Delete a file.",
         params=(Param(name="path", doc="workspace-relative path"),),
         impl="opencomposer.tools.files:delete_file",
@@ -261,7 +305,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<delete_file path="old_module.py"/>',
     ),
     ToolSpec(
-        name="list_dir",
+        name=LIST_DIR,
         summary="List a directory as a tree (.gitignore respected).",
         params=(
             Param(name="path", required=False, doc="directory, default the workspace root"),
@@ -273,7 +317,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<list_dir path="src" depth="2"/>',
     ),
     ToolSpec(
-        name="glob",
+        name=GLOB,
         summary="Find files whose paths match a glob pattern (** spans folders).",
         params=(Param(name="pattern", doc='for example "**/*.py" or "src/**/test_*.py"'),),
         impl="opencomposer.tools.search:glob",
@@ -282,7 +326,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<glob pattern="**/*.py"/>',
     ),
     ToolSpec(
-        name="grep",
+        name=GREP,
         summary="Search file contents with a regular expression; matches come back as path:line:text.",
         params=(
             Param(name="pattern", doc="regular expression"),
@@ -296,7 +340,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<grep pattern="def retry" path="src"/>',
     ),
     ToolSpec(
-        name="codebase_search",
+        name=CODEBASE_SEARCH,
         summary=(
             "Semantic and keyword search over the whole codebase: describe what you look "
             "for in words; returns ranked path:start-end chunks."
@@ -312,7 +356,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<codebase_search query="where retries back off after a failed request"/>',
     ),
     ToolSpec(
-        name="read_lints",
+        name=READ_LINTS,
         summary="Diagnostics: syntax errors in any language, ruff findings for Python.",
         params=(
             Param(
@@ -328,7 +372,7 @@ SPECS: tuple[ToolSpec, ...] = (
         example='<read_lints paths="src/app.py"/>',
     ),
     ToolSpec(
-        name="run_terminal",
+        name=RUN_TERMINAL,
         summary=(
             "Run a shell command in a sandbox at the workspace root (no network); "
             "returns the exit code and output."
@@ -387,6 +431,11 @@ def get(name: str) -> ToolSpec:
         raise ToolError(
             f"unknown tool <{name}>; the tools are: {', '.join(sorted(TOOL_NAMES))}"
         ) from None
+
+
+def render_call(name: str, **args: Any) -> str:
+    """A call of the tool `name` (see `ToolSpec.render_call`); ToolError if unknown."""
+    return get(name).render_call(**args)
 
 
 def render_prompt(specs: tuple[ToolSpec, ...] | None = None, *, compact: bool = False) -> str:

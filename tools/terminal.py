@@ -539,7 +539,7 @@ async def run_terminal(
     ctx: ToolContext, command: str, timeout_s: float | None = None
 ) -> ToolResult:
     if not command.strip():
-        raise ToolError("run_terminal command is empty")
+        raise ToolError("command is empty")
     limit = ctx.sandbox.timeout_s if timeout_s is None else timeout_s
     most = min(MAX_TIMEOUT_S, ctx.sandbox.max_timeout_s)
     if not 0 < limit <= most:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pathspec
 from opencomposer.tools.protocols import PathError, ToolError
+from opencomposer.tools.specs import RUN_TERMINAL
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn"})
 # The most a file tool loads. edit_file on a file this size peaks near 2x it on a hit
@@ -158,7 +159,7 @@ def _check_regular(st: os.stat_result, key: str, limit: int) -> None:
 def _too_big(key: str, size: int, limit: int) -> ToolError:
     return ToolError(
         f"{key} is {size / 1e6:.1f} MB, over the {limit / 1e6:.0f} MB the file tools load; "
-        "use run_terminal (grep, sed -n 'A,Bp', head) for it"
+        f"use {RUN_TERMINAL} (grep, sed -n 'A,Bp', head) for it"
     )
 
 
@@ -352,12 +353,12 @@ class LocalWorkspace:
         """Remove the entry `key` names (a symlink itself, never its target)."""
         key = self.key(key, follow=False)
         if key == ".":
-            raise ToolError(f"{key} is a directory; delete_file removes files only")
+            raise ToolError(f"{key} is a directory; only files are deleted")
         try:
             with parent_dir(self.root, key) as (dir_fd, name):
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    raise ToolError(f"{key} is a directory; delete_file removes files only")
+                    raise ToolError(f"{key} is a directory; only files are deleted")
                 os.unlink(name, dir_fd=dir_fd)
         except (FileNotFoundError, NotADirectoryError):
             if key not in self.buffers:

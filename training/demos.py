@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opencomposer.tools.specs import EDIT_FILE, GREP, READ_FILE, render_call
 from opencomposer.training.sessions import demo_session_config
 
 SOLUTION = "solution.json"
@@ -71,8 +72,8 @@ def load_solution(task: Any) -> dict[str, Any] | None:
 
 
 def _edit_call(path: str, old: str, new: str, *, replace_all: bool = False) -> str:
-    flag = ' replace_all="true"' if replace_all else ""
-    return f'<edit_file path="{path}"{flag}>\n<old>{old}</old>\n<new>{new}</new>\n</edit_file>'
+    flag = {"replace_all": True} if replace_all else {}
+    return render_call(EDIT_FILE, path=path, **flag, old=old, new=new)
 
 
 def renamed_word(old: str, new: str) -> tuple[str, str] | None:
@@ -125,18 +126,18 @@ def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
     turns: list[str] = []
     paths = list(dict.fromkeys(str(e["path"]) for e in edits))
     if edits and all(p in query for p in paths):
-        calls = "\n".join(f'<read_file path="{p}"/>' for p in paths)
+        calls = "\n".join(render_call(READ_FILE, path=p) for p in paths)
         turns.append(f"Let me read {', '.join(paths)}.\n{calls}")
     elif edits and named:
-        turns.append(f'Let me find every use of {named[0]}.\n<grep pattern="{named[0]}"/>')
+        turns.append(f"Let me find every use of {named[0]}.\n{render_call(GREP, pattern=named[0])}")
     elif edits:
-        calls = "\n".join(f'<read_file path="{p}"/>' for p in paths)
+        calls = "\n".join(render_call(READ_FILE, path=p) for p in paths)
         turns.append(f"Let me read the files.\n{calls}")
     else:  # an answer-only task: search for the word of the answer the query names
         words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", answer)
         key = next((w for w in words if w in query and len(w) > 2), None)
         if key:
-            turns.append(f'Let me search for {key}.\n<grep pattern="{key}"/>')
+            turns.append(f"Let me search for {key}.\n{render_call(GREP, pattern=key)}")
     if edits:
         renames = {renamed_word(str(e["old"]), str(e["new"])) for e in edits}
         rename = renames.pop() if len(edits) > 1 and len(renames) == 1 else None

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opencomposer.tools import specs
 from opencomposer.tools.git import Git, GitError, run_git
 
 TASK_FILE = "task.toml"
@@ -440,7 +441,8 @@ def _first_query(trace: dict[str, Any]) -> str:
 def _recorded_verify(trace: dict[str, Any]) -> str | None:
     found = None
     for call in trace.get("tool_calls", []):
-        if call.get("name") != "run_terminal" or call.get("status", "ok") != "ok":
+        spec = specs.BY_NAME.get(str(call.get("name")))
+        if spec is None or spec.kind != "command" or call.get("status", "ok") != "ok":
             continue
         args = call.get("args") or {}
         if isinstance(args, str):

@@ -329,7 +329,7 @@ async def test_read_file_refuses_huge_files_with_advice(
     monkeypatch.setattr(files, "READ_MAX_FILE_BYTES", 1000)
     (ctx.workspace.root / "log.txt").write_text("x" * 5000)
     r = await call(ctx, "read_file", path="log.txt")
-    assert r.status == "error" and "too big for read_file" in r.output and "sed -n" in r.output
+    assert r.status == "error" and "too big to read" in r.output and "sed -n" in r.output
 
 
 # -- issue 19: special files, symlinks, aliases, size ------------------------------
