@@ -44,7 +44,7 @@ def _serve(a: argparse.Namespace) -> int:
         tcp = (host, int(port))
     elif a.allow_remote:
         raise UsageError("--allow-remote goes with --tcp")
-    return serve(stdio=tcp is None, tcp=tcp, model=a.model, allow_remote=a.allow_remote)
+    return serve(tcp=tcp, model=a.model, allow_remote=a.allow_remote)
 
 
 def _index(a: argparse.Namespace) -> int:

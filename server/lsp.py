@@ -804,7 +804,6 @@ def _ended(task: asyncio.Task[Any]) -> str:
 
 def serve(
     *,
-    stdio: bool = True,
     tcp: tuple[str, int] | None = None,
     model: str = "smollm2",
     allow_remote: bool = False,
@@ -923,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --tcp: listen on an address other machines can reach (unencrypted)",
     )
     ns = parser.parse_args(argv)
-    return serve(stdio=ns.tcp is None, tcp=ns.tcp, model=ns.model, allow_remote=ns.allow_remote)
+    return serve(tcp=ns.tcp, model=ns.model, allow_remote=ns.allow_remote)
 
 
 if __name__ == "__main__":

@@ -80,10 +80,6 @@ class Rollout:
     def versions(self) -> list[int]:
         return [t.weight_version for t in self.turns if t.weight_version is not None]
 
-    @property
-    def min_version(self) -> int | None:
-        return min(self.versions, default=None)
-
 
 @dataclass(kw_only=True)
 class Sample:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,12 +109,8 @@ class WeightSync:
         else:
             await _maybe_await(self.receiver.reload_weights(weights, version))
         seconds = time.perf_counter() - t0
-        lag = version - int(getattr(self.receiver, "weight_version", version) or 0)
-        if lag > self.max_lag:
-            raise SamplerLagError(
-                f"sampler is at weight version {version - lag}, trainer at {version} "
-                f"(allowed lag {self.max_lag})"
-            )
+        landed = int(getattr(self.receiver, "weight_version", version) or 0)
+        lag = check_lag(landed, version, max_lag=self.max_lag)
         return SyncResult(version=version, seconds=seconds, lag=lag)
 
 
@@ -300,8 +296,3 @@ class NcclTransport:
         # start_weight_update, the broadcast and finish_weight_update in one call;
         # the version is stamped trainer-side by VersionedModel.
         self.engine.send_weights()
-
-
-def bf16_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in module.state_dict().items():
-        yield name, t.detach().to(torch.bfloat16)
