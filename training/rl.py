@@ -362,7 +362,6 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
             groups: list[Group] = await scheduler.next_groups()
             t1 = time.perf_counter()
             samples, bstats = build_samples(groups, estimator=cfg.algo.estimator)
-            bstats.groups_dropped_stale = scheduler.dropped_stale
             train = await run.trainer.run(run.trainer.step, samples)
             t2 = time.perf_counter()
             sync_s = 0.0

@@ -194,7 +194,6 @@ def samples_from_rollout(rollout: Rollout, advantage: float) -> list[Sample]:
 class BatchStats:
     groups: int = 0
     groups_skipped_equal: int = 0
-    groups_dropped_stale: int = 0
     rollouts: int = 0
     rollouts_failed: int = 0
     rollouts_timeout: int = 0

@@ -149,7 +149,6 @@ class StreamView(OneLayout, Widget):
         self._lines: list[Strip] = []  # the finished blocks at `_width`
         self._open_lines: list[Strip] = []
         self._width = 0
-        self._dark: bool | None = None
 
     def on_mount(self) -> None:
         self.watch(self.app, "theme", lambda _: self._invalidate(), init=False)
