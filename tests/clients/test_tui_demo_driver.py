@@ -1,10 +1,10 @@
 """`opencomposer tui` in a real terminal (tmux), prompt to accepted edit, `scripted:` model.
 
 The same script that runs the embedded model by hand
-(`python -m opencomposer.clients.tui.real_terminal --model smollm2`), here with a
+(`python -m opencomposer.clients.tui.demo_driver --model smollm2`), here with a
 scripted model so it takes seconds. Skipped where tmux is not installed.
 
-    .venv/bin/python -m pytest tests/clients/test_tui_real_terminal.py -q
+    .venv/bin/python -m pytest tests/clients/test_tui_demo_driver.py -q
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import shutil
 
 import pytest
-from opencomposer.clients.tui import real_terminal
+from opencomposer.clients.tui import demo_driver
 
 FIX = (
     "The subtotal ignores quantities.\n"
@@ -25,7 +25,7 @@ FIX = (
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_real_terminal_prompt_to_accepted_edit(tmp_path, capsys):
+def test_demo_driver_prompt_to_accepted_edit(tmp_path, capsys):
     turns = tmp_path / "turns.json"
     turns.write_text(
         json.dumps(
@@ -35,7 +35,7 @@ def test_real_terminal_prompt_to_accepted_edit(tmp_path, capsys):
             }
         )
     )
-    code = real_terminal.main(
+    code = demo_driver.main(
         ["--model", f"scripted:{turns}", "--timeout", "120", "--out", str(tmp_path / "out")]
     )
     out = capsys.readouterr().out
@@ -49,10 +49,10 @@ def test_real_terminal_prompt_to_accepted_edit(tmp_path, capsys):
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_real_terminal_reports_a_session_without_an_edit(tmp_path, capsys):
+def test_demo_driver_reports_a_session_without_an_edit(tmp_path, capsys):
     turns = tmp_path / "turns.json"
     turns.write_text(json.dumps({"turns": ["Nothing to change."]}))
-    code = real_terminal.main(["--model", f"scripted:{turns}", "--timeout", "120"])
+    code = demo_driver.main(["--model", f"scripted:{turns}", "--timeout", "120"])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "result: no accepted edit: the session ended without an edit to accept" in out

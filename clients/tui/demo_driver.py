@@ -1,4 +1,5 @@
-"""`opencomposer tui` in a real terminal, from prompt to accepted edit, reproducibly.
+"""The TUI demo driver: `opencomposer tui` in a real terminal, from prompt to accepted
+edit, reproducibly.
 
 Runs the TUI inside tmux (a real pseudo-terminal and terminal emulator, so Textual
 draws exactly as it would for a person), on a fresh git copy of
@@ -9,7 +10,7 @@ screen and that a file on disk differs from the sample. The final screen is prin
 and saved as text, and the sample's tests are run on the edited copy (reported: a
 small model's accepted edit is not always a correct one).
 
-    .venv/bin/python -m opencomposer.clients.tui.real_terminal \\
+    .venv/bin/python -m opencomposer.clients.tui.demo_driver \\
         [--model smollm2] [--prompt TEXT] [--timeout 900] [--out DIR] [--keep]
 
 Needs `tmux` (Debian package `tmux`). Exit status 0 when an edit was accepted and a
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, flush=True)
 
     if shutil.which("tmux") is None:
-        print("real_terminal: tmux is not installed (apt-get install tmux)", file=sys.stderr)
+        print("demo_driver: tmux is not installed (apt-get install tmux)", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="opencomposer-tui-real-"))
     repo = prepare(tmp)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if with_screen:
             print("---- screen ----\n" + with_screen.rstrip())
-        print(f"real_terminal: {exc}", file=sys.stderr)
+        print(f"demo_driver: {exc}", file=sys.stderr)
         code = 2
     finally:
         try:
