@@ -12,7 +12,7 @@ Speed on a 2-core CPU comes from these choices, each measured in
   linear layers run W8A8 (`_Int8Dense`: int8 weights per output channel,
   activations quantized per token at run time, `torch._int_mm`); all the work
   between two GEMMs (dequantize, GELU or residual + LayerNorm, quantize for
-  the next GEMM) is one fused numba kernel (`fused`), and attention runs in
+  the next GEMM) is one fused numba kernel (`int8_kernels`), and attention runs in
   bf16. Cosine to fp32 vectors 0.998; retrieval MRR@10 within 0.01 of fp32
   (see the README's figures). torch's `quantize_dynamic` (one activation
   scale per tensor, 7 bits) was rejected: cosine 0.93 and barely faster.
@@ -109,7 +109,7 @@ def supports_int8(folder: Path) -> bool:
 
 
 def have_int8_kernels() -> bool:
-    """numba is installed: the int8 path's fused kernels (`fused`) need it."""
+    """numba is installed: the int8 path's fused kernels (`int8_kernels`) need it."""
     import importlib.util
 
     return importlib.util.find_spec("numba") is not None
@@ -367,7 +367,7 @@ class _Int8Dense:
     on MiniLM its vectors have cosine 0.93 to fp32, these 0.998
     (benchmarks/index_speed.py prints it). The int8 x int8 -> int32 product is
     `torch._int_mm` (AVX512-VNNI): about 2x a bf16 GEMM per core here (410 vs
-    214 GFLOP/s on one Zen 4 core); the work around it runs in `fused`.
+    214 GFLOP/s on one Zen 4 core); the work around it runs in `int8_kernels`.
     `__call__` is the plain float-in, float-out form of the same layer.
     """
 
@@ -390,14 +390,14 @@ class _Int8Dense:
 
     def __call__(self, x: Any) -> Any:
         import torch
-        from opencomposer.index import fused
+        from opencomposer.index import int8_kernels
 
         rows = x.detach().float().contiguous().numpy()
         q, s = np.empty(rows.shape, np.int8), np.empty(len(rows), np.float32)
-        fused.quantize_rows(rows, q, s)
+        int8_kernels.quantize_rows(rows, q, s)
         acc = self.matmul(torch.from_numpy(q), torch.empty(len(rows), self.wt.shape[1], dtype=torch.int32))  # fmt: skip
         out = np.empty(acc.shape, np.float32)
-        fused.dequantize(acc, s, self.ws, self.b, out)
+        int8_kernels.dequantize(acc, s, self.ws, self.b, out)
         return torch.from_numpy(out)
 
 
@@ -408,7 +408,7 @@ class _Bert:
     post-LayerNorm), with query/key/value as one GEMM and the attention mask
     only where a batch has padding. In int8 the linear layers are W8A8
     (`_Int8Dense`) and everything between two GEMMs is one fused kernel
-    (`fused`). tests/index/test_index_int8.py checks both against the HF model.
+    (`int8_kernels`). tests/index/test_index_int8.py checks both against the HF model.
     """
 
     def __init__(self, hf: Any, dtype: str, act: Any = None):
@@ -510,7 +510,7 @@ class _Bert:
         fp32 unchanged at 0.998).
         """
         import torch
-        from opencomposer.index import fused
+        from opencomposer.index import int8_kernels
 
         n, length = attention_mask.shape
         rows, hidden = x.shape
@@ -524,24 +524,24 @@ class _Bert:
         acc1 = torch.empty(rows, hidden, dtype=torch.int32)
         acc4 = torch.empty(rows, wide, dtype=torch.int32)
         qkv_h = torch.empty(rows, 3 * hidden, dtype=torch.bfloat16)
-        fused.layer_norm_quantize(xs, self.ln0[0].numpy(), self.ln0[1].numpy(), eps, q, s)
+        int8_kernels.layer_norm_quantize(xs, self.ln0[0].numpy(), self.ln0[1].numpy(), eps, q, s)
         bias = None
         if not bool(attention_mask.all()):  # padded keys get -inf before the softmax
             bias = torch.zeros(n, 1, length).masked_fill_(attention_mask[:, None, :] == 0, float("-inf"))  # fmt: skip
             bias = bias.repeat_interleave(heads, 0).to(torch.bfloat16)
         for qkv, out, ln1, inter, down, ln2 in self.layers:
-            fused.dequantize_bf16(qkv.matmul(q_t, acc3), s, qkv.ws, qkv.b, qkv_h.view(torch.int16).numpy())  # fmt: skip
+            int8_kernels.dequantize_bf16(qkv.matmul(q_t, acc3), s, qkv.ws, qkv.b, qkv_h.view(torch.int16).numpy())  # fmt: skip
             t = qkv_h.view(n, length, 3, heads, -1).permute(2, 0, 3, 1, 4).reshape(3, n * heads, length, -1)  # fmt: skip
             scores = torch.bmm(t[0], t[1].transpose(1, 2))  # the query is already scaled
             if bias is not None:
                 scores += bias
             a = torch.bmm(torch.softmax(scores, -1), t[2])
-            fused.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
+            int8_kernels.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
             acc = out.matmul(q_t, acc1)
-            fused.residual_layer_norm_quantize(acc, s, out.ws, out.b, xs, ln1[0].numpy(), ln1[1].numpy(), eps, q, s)  # fmt: skip
-            fused.gelu_quantize(inter.matmul(q_t, acc4), s, inter.ws, inter.b, hq, hs)
+            int8_kernels.residual_layer_norm_quantize(acc, s, out.ws, out.b, xs, ln1[0].numpy(), ln1[1].numpy(), eps, q, s)  # fmt: skip
+            int8_kernels.gelu_quantize(inter.matmul(q_t, acc4), s, inter.ws, inter.b, hq, hs)
             acc = down.matmul(hq_t, acc1)
-            fused.residual_layer_norm_quantize(acc, hs, down.ws, down.b, xs, ln2[0].numpy(), ln2[1].numpy(), eps, q, s)  # fmt: skip
+            int8_kernels.residual_layer_norm_quantize(acc, hs, down.ws, down.b, xs, ln2[0].numpy(), ln2[1].numpy(), eps, q, s)  # fmt: skip
         return torch.from_numpy(xs)
 
 

@@ -82,7 +82,7 @@ def _assert_quantized(q: np.ndarray, s: np.ndarray, x: np.ndarray) -> None:
 def test_fused_kernels_match_numpy_and_torch() -> None:
     import torch
     import torch.nn.functional as F
-    from opencomposer.index import fused
+    from opencomposer.index import int8_kernels
 
     rng = np.random.default_rng(0)
     rows, width = 12, 96
@@ -90,7 +90,7 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     x[3] *= 300.0  # an outlier token
     x[5] = 0.0  # an all-zero row stays finite
     q, s = np.empty((rows, width), np.int8), np.empty(rows, np.float32)
-    fused.quantize_rows(x, q, s)
+    int8_kernels.quantize_rows(x, q, s)
     _assert_quantized(q, s, x)
     assert not q[5].any() and np.isfinite(s).all()
 
@@ -100,10 +100,10 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     b = rng.standard_normal(width).astype(np.float32)
     exact = (acc * rs[:, None] * cs + b).astype(np.float32)
     out = np.empty((rows, width), np.float32)
-    fused.dequantize(acc, rs, cs, b, out)
+    int8_kernels.dequantize(acc, rs, cs, b, out)
     np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-6)
     bf16 = np.empty((rows, width), np.int16)
-    fused.dequantize_bf16(acc, rs, cs, b, bf16)
+    int8_kernels.dequantize_bf16(acc, rs, cs, b, bf16)
     want = torch.from_numpy(out).bfloat16().view(torch.int16).numpy()
     assert np.abs(bf16.astype(np.int32) - want).max() <= 1  # round to nearest even, as torch
 
@@ -111,7 +111,7 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     wide = exact * 8.0
     wide[0, :4] = [40.0, -40.0, 1e4, -1e4]
     ones = np.ones(width, np.float32)
-    fused.gelu_quantize((wide * 1e3).astype(np.int32), np.full(rows, 1e-3, np.float32), ones, np.zeros(width, np.float32), q, s)  # fmt: skip
+    int8_kernels.gelu_quantize((wide * 1e3).astype(np.int32), np.full(rows, 1e-3, np.float32), ones, np.zeros(width, np.float32), q, s)  # fmt: skip
     _assert_quantized(q, s, F.gelu(torch.from_numpy((wide * 1e3).astype(np.int32) * np.float32(1e-3))).numpy())  # fmt: skip
     assert np.isfinite(s).all() and q[0, 2] == 127 and q[0, 3] == 0
 
@@ -119,11 +119,13 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     residual = rng.standard_normal((rows, width)).astype(np.float32) * 20
     want = F.layer_norm(torch.from_numpy(residual + exact), (width,), torch.from_numpy(gamma), torch.from_numpy(beta), 1e-12).numpy()  # fmt: skip
     x = residual.copy()
-    fused.residual_layer_norm_quantize(acc, rs, cs, b, x, gamma, beta, np.float32(1e-12), q, s)
+    int8_kernels.residual_layer_norm_quantize(
+        acc, rs, cs, b, x, gamma, beta, np.float32(1e-12), q, s
+    )
     np.testing.assert_allclose(x, want, atol=2e-5)
     _assert_quantized(q, s, x)
     x = residual.copy()
-    fused.layer_norm_quantize(x, gamma, beta, np.float32(1e-12), q, s)
+    int8_kernels.layer_norm_quantize(x, gamma, beta, np.float32(1e-12), q, s)
     np.testing.assert_allclose(x, F.layer_norm(torch.from_numpy(residual), (width,), torch.from_numpy(gamma), torch.from_numpy(beta), 1e-12).numpy(), atol=2e-5)  # fmt: skip
     _assert_quantized(q, s, x)
 
@@ -132,7 +134,7 @@ def test_fused_kernels_match_numpy_and_torch() -> None:
     a = torch.from_numpy(rng.standard_normal((n * heads, length, d)).astype(np.float32)).bfloat16()
     tokens = a.float().view(n, heads, length, d).transpose(1, 2).reshape(n * length, heads * d)
     q, s = np.empty((n * length, heads * d), np.int8), np.empty(n * length, np.float32)
-    fused.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
+    int8_kernels.heads_quantize(a.view(torch.int16).numpy(), length, q, s)
     _assert_quantized(q, s, tokens.numpy())
 
 
@@ -204,12 +206,12 @@ def test_int8_without_numba_falls_back_or_says_why(tiny_embedder: Path, monkeypa
 
 
 def test_int8_kernel_failure_is_a_load_error(tiny_embedder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from opencomposer.index import fused
+    from opencomposer.index import int8_kernels
 
     def broken(*args: object) -> None:
         raise RuntimeError("Failed in nopython mode pipeline\nmore detail")
 
-    monkeypatch.setattr(fused, "layer_norm_quantize", broken)
+    monkeypatch.setattr(int8_kernels, "layer_norm_quantize", broken)
     with pytest.raises(EmbedderError, match="cannot load embedder .*: Failed in nopython mode pipeline$"):  # fmt: skip
         _load(tiny_embedder, "int8", 61)  # a size no other test loads: not cached
     assert (str(tiny_embedder), "int8", 61) not in embed._LOADED
