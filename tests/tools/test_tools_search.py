@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from opencomposer.tools import search, specs
 from opencomposer.index import Hit
+from opencomposer.tools import search, specs
 from opencomposer.tools.protocols import ToolContext, ToolResult
 from opencomposer.tools.workspace import LocalWorkspace
 
