@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator
@@ -401,7 +402,26 @@ def _load_ignore(dir_fd: int) -> pathspec.GitIgnoreSpec | None:
     except (OSError, ToolError):
         return None
     lines = data.decode("utf-8", "replace").splitlines()
-    return pathspec.GitIgnoreSpec.from_lines(lines) if lines else None
+    if _IGNORE_BACKEND != "re2":
+        lines = [line for line in lines if len(_STARS.findall(line)) <= _MAX_WILDCARDS]
+    return pathspec.GitIgnoreSpec.from_lines(lines, backend=_IGNORE_BACKEND) if lines else None
+
+
+def _ignore_backend() -> str:
+    """RE2 where it is installed (a declared dependency): it matches in linear time.
+    Python's `re` backtracks, so a hostile rule (`*a*a*a*a*a*a*b` against a long
+    name, `a/**/a/**/a/**/b` against a deep path) held the GIL for minutes; without
+    RE2, rules with more than three wildcards are dropped instead."""
+    try:
+        import re2  # noqa: F401
+    except ImportError:
+        return "simple"
+    return "re2"
+
+
+_IGNORE_BACKEND = _ignore_backend()
+_STARS = re.compile(r"(?<!\\)\*+")
+_MAX_WILDCARDS = 3
 
 
 def _open_dir(dir_fd: int, name: str) -> int:

@@ -211,10 +211,11 @@ def test_deep_tree_is_cut(tmp_path: Path) -> None:
     assert found.skipped["too deep"] == 1
 
 
-def test_backtracking_ignore_rules_are_dropped(tmp_path: Path) -> None:
+def test_backtracking_ignore_rules_cannot_hang_the_walk(tmp_path: Path) -> None:
     """Guards: an ignore rule with many wildcards made Python's regex backtrack for
     minutes per long file name, holding the GIL (a hostile .gitignore hung the
-    build). Run in a subprocess: the old hang cannot be interrupted in-process."""
+    build). With RE2 the rule is matched in linear time and kept. Run in a
+    subprocess: the old hang cannot be interrupted in-process."""
     root = tmp_path / "ws"
     root.mkdir()
     (root / ".gitignore").write_text("*a*a*a*a*a*a*a*a*a*a*a*a*a*b\n*.log\n")
@@ -234,7 +235,23 @@ def test_backtracking_ignore_rules_are_dropped(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     files, skipped = json.loads(done.stdout)
     assert files == [".gitignore", long_name]  # the simple rule still hides noise.log
-    assert skipped == {"ignore rule too complex": 1}
+    assert skipped == {}  # matched by RE2, not dropped
+
+
+def test_without_re2_backtracking_rules_are_dropped(tmp_path: Path, monkeypatch) -> None:
+    """Where RE2 is missing, a rule with more than MAX_WILDCARDS wildcards is dropped
+    (and counted) rather than matched by Python's backtracking regex."""
+    from opencomposer.index import files
+
+    monkeypatch.setattr(files, "_BACKEND", "simple")
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / ".gitignore").write_text("*a*a*a*a*b\n*.log\n")
+    (root / "ab.py").write_text("x = 1\n")
+    (root / "noise.log").write_text("x\n")
+    found = walk(root)
+    assert sorted(found.files) == [".gitignore", "ab.py"]
+    assert found.skipped == {"ignore rule too complex": 1}
 
 
 def _fifo(p: Path) -> None:

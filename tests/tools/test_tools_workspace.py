@@ -113,6 +113,41 @@ async def test_writes_outside_have_no_effect(ws: LocalWorkspace, tmp_path: Path)
     assert not (tmp_path / "escaped.txt").exists()
 
 
+def test_hostile_gitignore_rule_cannot_hang_the_walk(tmp_path: Path) -> None:
+    """Guards: `*a*a*…*b` against a 200-character name made Python's regex backtrack
+    for minutes with the GIL held, so list_dir, glob and grep hung the server. Run
+    in a subprocess: that hang cannot be interrupted in-process."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / ".gitignore").write_text(
+        "*a*a*a*a*a*a*a*a*a*a*a*a*a*b\na/**/a/**/a/**/a/**/a/**/b\n*.log\n"
+    )
+    long_name = "a" * 200 + "c.py"
+    (root / long_name).write_text("x = 1\n")
+    (root / "noise.log").write_text("x\n")
+    deep = root.joinpath(*["a"] * 40)
+    deep.mkdir(parents=True)
+    (deep / "c").write_text("x\n")
+    code = (
+        "import json, sys; from opencomposer.tools.workspace import walk_files; "
+        "print(json.dumps(sorted(walk_files(__import__('pathlib').Path(sys.argv[1])))))"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the walk hung matching an ignore rule")
+    assert done.returncode == 0, done.stderr
+    files = json.loads(done.stdout)
+    assert long_name in files and "noise.log" not in files
+    assert "/".join(["a"] * 40) + "/c" in files
+
+
 def test_walk_respects_nested_gitignore_and_skips_git(ws: LocalWorkspace, tmp_path: Path) -> None:
     root = ws.root
     (root / ".gitignore").write_text("build/\n*.log\n")
