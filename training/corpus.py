@@ -88,6 +88,13 @@ NEUTRAL_ADDOPTS = ("-o", "addopts=", "-o", "required_plugins=")
 # Plugins that would break tracing or determinism when a project's venv has them.
 ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly")
 MAX_DEPS_MB = 100
+# pytest refusing its configuration (options of a plugin that is not there, a
+# required plugin), as opposed to tests that fail or do not import.
+_CONFIG_ERROR = re.compile(
+    r"unrecognized arguments|required plugins|ERROR: usage|error: argument|"
+    r"INTERNALERROR|Unknown config option|PluginValidationError|ImportError while loading conftest",
+    re.IGNORECASE,
+)
 _NETWORK = re.compile(
     r"Temporary failure in name resolution|Name or service not known|Network is unreachable"
     r"|nodename nor servname|Failed to establish a new connection|getaddrinfo failed"
@@ -683,6 +690,13 @@ async def _baseline(
         return await mining.baseline(scratch, cfg, plugin_dir, spec.name)
     except TaskError as e:
         first = getattr(e, "output", "") or str(e)
+    if not _CONFIG_ERROR.search(first):  # not the configuration: once more as it is
+        try:
+            return await mining.baseline(scratch, cfg, plugin_dir, spec.name)
+        except TaskError as e:
+            first = getattr(e, "output", "") or str(e)
+            if not _CONFIG_ERROR.search(first):
+                raise Skip(_why_no_tests(first, first, env)) from None
     # Options of plugins that are not installed: removed from the project's config
     # (the rest kept), so plain `python -m pytest` works in the task's workspace too.
     known = await asyncio.to_thread(known_pytest_options, scratch, env.pythonpath)

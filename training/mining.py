@@ -58,6 +58,7 @@ from opencomposer.training.tasks import SKIP_NAMES, TaskError, pack_dir, write_t
 
 STATE_DIR = ".opencomposer"  # inside the scratch copy; never packed into repo.tar
 TEST_TIMEOUT_S = 300.0
+SUITE_TIMEOUT_S = 1800.0  # the traced run of a whole suite
 
 _PLUGIN = r"""
 import json, os, sys, threading
@@ -203,6 +204,7 @@ async def _run_tests(
     trace: bool,
     plugin_dir: Path,
     stop_first: bool = False,
+    budget_s: float | None = None,
 ) -> dict:
     out = root / STATE_DIR / "mine.json"
     out.parent.mkdir(exist_ok=True)
@@ -220,7 +222,8 @@ async def _run_tests(
     if stop_first:
         extra.append("-x")
     cmd = env + _pytest_cmd(cfg, extra + args, plugin_dir=plugin_dir)
-    sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
+    budget = budget_s or cfg.test_timeout_s + 30
+    sandbox = SandboxConfig(timeout_s=budget, memory_mb=4096, max_processes=256)
     res = await run_command(cmd, cwd=root, sandbox=sandbox)
     try:
         data = json.loads(out.read_text())
@@ -678,7 +681,10 @@ async def baseline(scratch: Path, cfg: MineConfig, plugin_dir: Path, label: str)
     tests = list(cfg.tests) or discover_tests(scratch)
     if not tests:
         raise TaskError(f"{label}: no test files found (test_*.py or *_test.py)")
-    base = await _run_tests(scratch, cfg, tests, trace=True, plugin_dir=plugin_dir)
+    # the whole suite, traced: far longer than one test's budget on a big suite
+    base = await _run_tests(
+        scratch, cfg, tests, trace=True, plugin_dir=plugin_dir, budget_s=SUITE_TIMEOUT_S
+    )
     passing = {k for k, v in base["outcomes"].items() if v["outcome"] == "passed"}
     output = base.get("output", "")
     if not passing:
