@@ -111,21 +111,15 @@ class HumanView:
 
 
 def _visible(text: str) -> Any:
-    """`text` as a rich Text that shows every character the model wrote: never read as
-    markup (a `[conceal]` tag once hid `; touch …` from the person approving), and
-    control, format and bidi characters (ANSI escapes, `\\r`, U+202E) shown as
-    highlighted `\\x1b`-style escapes instead of acting on the terminal."""
-    import unicodedata
-
+    """`text` as a rich Text never read as markup (a `[conceal]` tag once hid
+    `; touch …` from the person approving), its hidden characters highlighted
+    escapes (`agent.text.reveal`)."""
+    from opencomposer.agent.text import reveal
     from rich.text import Text
 
     out = Text()
-    for ch in text:
-        hidden = unicodedata.category(ch)[0] == "C" or ch in "\u2028\u2029"
-        if ch in "\n\t" or not hidden:
-            out.append(ch)
-        else:
-            out.append(ascii(ch)[1:-1], style="reverse")
+    for piece, escaped in reveal(text):
+        out.append(piece, style="reverse" if escaped else "")
     return out
 
 

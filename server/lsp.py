@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from lsprotocol import types as lsp
 from opencomposer.agent import events as ev
 from opencomposer.agent.indexing import IndexHandle
+from opencomposer.agent.text import revealed
 from opencomposer.server import lsp_commands as cmds
 from opencomposer.server.workspace_overlay import EditorLink, EditorWorkspace
 from pygls.exceptions import JsonRpcException, JsonRpcInvalidParams, JsonRpcRequestCancelled
@@ -475,10 +476,10 @@ class ComposerServer(LanguageServer):
         if key in self.always:
             return "run"
         if command:
-            what = f"run `{command[:500]}`"
+            what = f"run `{revealed(command)}`"  # whole: the user decides on what they see
         else:
             detail = args.get("path") or args.get("pattern") or args.get("query") or ""
-            what = f"call {name} {str(detail)[:200]}".rstrip()
+            what = f"call {name} {revealed(str(detail))}".rstrip()
         params = lsp.ShowMessageRequestParams(
             type=lsp.MessageType.Warning,
             message=f"opencomposer ({session_id}) wants to {what}",

@@ -42,3 +42,21 @@ async def test_auto_apply_edits_does_not_loosen_none(spawn, repo, tmp_path):
     await editor.command(ASK, {"query": "fix", "approve": "none", "auto_apply_edits": True})
     assert len(editor.approval_requests) == 1
     assert (repo / "calc.py").read_text() == before
+
+
+async def test_the_approval_shows_the_whole_command_and_its_hidden_characters(
+    spawn, repo, tmp_path
+):
+    """Guards: the editor's approval showed only the first 500 characters of a
+    command, so a long one hid its tail (`; touch …`) from the person approving,
+    and raw ANSI escapes or U+202E could disguise what showed."""
+    command = "echo " + "x" * 600 + " \x1b[8m; touch pwned\u202e"
+    call = f"<run_terminal><command>{command}</command></run_terminal>"
+    editor = await spawn(scripted(tmp_path / "m.json", [call, "done"]))
+    editor.approve_with = "Reject"
+    await editor.command(ASK, {"query": "run it"})
+    assert len(editor.approval_requests) == 1
+    message = editor.approval_requests[0]
+    assert "x" * 600 in message and "\\x1b[8m; touch pwned\\u202e" in message
+    assert "\x1b" not in message and "\u202e" not in message
+    assert not (repo / "pwned").exists()
