@@ -125,7 +125,9 @@ class EpisodeResult:
     metrics: dict[str, float] = field(default_factory=dict)
     answer: str = ""
     session_id: str = ""
-    turns: list[Any] = field(default_factory=list)  # agent.session.TurnRecord
+    # The session's model_end events, in order (each turn's prompt and its output with
+    # token ids and logprobs): what the rollout builder makes training samples from.
+    turns: list[ModelEnd] = field(default_factory=list)
     verify_output: str = ""
     error: str | None = None
     attempts: int = 1
@@ -731,9 +733,12 @@ class EnvironmentServer:
 
         t0 = time.monotonic()
         metrics = EpisodeMetrics()
+        turns: list[ModelEnd] = []  # the rollout's turns: prompt, token ids, logprobs
 
         def sink(event: Event) -> None:
             metrics.observe(event)
+            if isinstance(event, ModelEnd):
+                turns.append(event)
             if on_event is not None:
                 on_event(event)
 
@@ -788,7 +793,7 @@ class EnvironmentServer:
             metrics=m,
             answer=result.answer,
             session_id=result.session_id,
-            turns=result.turns,
+            turns=turns,
             verify_output=verdict.verify_output,
             error=result.error,
         )

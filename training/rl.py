@@ -78,13 +78,17 @@ METRIC_KEYS = {  # env metrics -> rollout stats
 
 
 def rollout_from_episode(result: Any, *, group: int = 0, index: int = 0) -> Rollout:
-    """A ``Rollout`` from the environment server's ``EpisodeResult``.
+    """A ``Rollout`` from the environment server's ``EpisodeResult``, whose turns are
+    the session's ``model_end`` events (the same stream traces are written from).
 
     Sessions that timed out or failed in the environment are kept, but marked so
     that the loss masks them out; a turn without token ids (a backend that gives
     none) makes the rollout unusable for training (``error``)."""
     status = str(getattr(result, "status", "error"))
-    turns = [turn_from(t.output) for t in getattr(result, "turns", []) or []]
+    turns = [
+        turn_from(t.output) if t.output is not None else None
+        for t in getattr(result, "turns", []) or []
+    ]
     r = Rollout(
         task_id=str(getattr(result, "task_id", "")),
         group=group,

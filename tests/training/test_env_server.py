@@ -164,10 +164,7 @@ async def test_network_is_unreachable(server, tmp_path: Path) -> None:
         ),
     )
     assert not r.resolved
-    assert (
-        "no-net" in r.turns[1].messages[-1].content
-        or "exit code" in r.turns[1].messages[-1].content
-    )
+    assert "no-net" in r.turns[1].prompt[-1].content or "exit code" in r.turns[1].prompt[-1].content
 
 
 async def test_disk_filling_and_writes_outside_stay_inside(server, tmp_path: Path) -> None:
@@ -188,7 +185,7 @@ async def test_disk_filling_and_writes_outside_stay_inside(server, tmp_path: Pat
     assert r.resolved  # the workspace works again once the agent removed its big file
     assert not outside.exists() and not home_file.exists() and not Path("/etc/oc-escape").exists()
     if server.mounted:
-        assert "No space left" in r.turns[1].messages[-1].content
+        assert "No space left" in r.turns[1].prompt[-1].content
 
 
 async def test_fork_bomb_is_contained(server, tmp_path: Path) -> None:
