@@ -65,5 +65,6 @@ def test_nvim_plugin_applies_the_agent_edit_to_the_buffer(tmp_path: Path) -> Non
     assert (root / "ran.txt").read_text().strip() == "ran"
     split = "\n".join(got["split"])
     assert "▶ edit_file" in split and "✎ calc.py" in split and "— completed" in split
+    assert "Fixing add." in split and "<edit_file" not in split  # prose, not the call's XML
     assert got["after_undo"] == ["def add(a, b):", "    return a - b"]
     assert (root / "calc.py").read_text() == CALC

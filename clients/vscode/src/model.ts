@@ -97,10 +97,14 @@ export class SessionStore {
         s.lastActivity = `thinking (turn ${ev.turn})`;
         break;
       case "model_delta": {
+        // `prose`: the reply without its tool-call XML, as the agent's parser decided it
+        // (the calls show as tool items); `text` from servers that do not send it.
+        const piece = typeof ev.prose === "string" ? ev.prose : String(ev.text);
+        if (!piece) break;
         const last = s.items[s.items.length - 1];
         const turn = Number(ev.turn);
-        if (last && last.kind === "text" && last.turn === turn) last.text += String(ev.text);
-        else s.items.push({ kind: "text", turn, text: String(ev.text) });
+        if (last && last.kind === "text" && last.turn === turn) last.text += piece;
+        else s.items.push({ kind: "text", turn, text: piece });
         break;
       }
       case "message":

@@ -122,7 +122,11 @@ function M.render(ev)
     M.state.running[ev.session_id] = true
     append({ "", "# session " .. ev.session_id .. " (" .. tostring(ev.model) .. ")", "" })
   elseif t == "model_delta" then
-    append(vim.split(ev.text, "\n", { plain = true }), true)
+    -- prose: the reply without its tool-call XML (the calls render as ▶ lines)
+    local piece = type(ev.prose) == "string" and ev.prose or ev.text
+    if piece ~= "" then
+      append(vim.split(piece, "\n", { plain = true }), true)
+    end
   elseif t == "model_end" then
     append({ "" })
   elseif t == "message" and type(ev.text) == "string" and ev.text:sub(1, 1) == "[" then

@@ -35,6 +35,17 @@ test("events fold into one session: streamed text joins, tools get their duratio
   assert.equal(currentSession(store)?.id, sid);
 });
 
+test("the panel shows prose, never the tool-call XML the agent parsed out", () => {
+  const store = new SessionStore();
+  store.apply(ev("session_start", { model: "scripted", workspace: "/w" }));
+  store.apply(ev("model_delta", { turn: 1, text: "Fixing. <edit_file path=", prose: "Fixing. " }));
+  store.apply(ev("model_delta", { turn: 1, text: '"calc.py"><old>a</old><new>b</new></edit_file>', prose: "" }));
+  store.apply(ev("model_delta", { turn: 1, text: " Done.", prose: " Done." }));
+  const s = store.get(sid)!;
+  assert.deepEqual(s.items, [{ kind: "text", turn: 1, text: "Fixing.  Done." }]);
+  assert.ok(!renderSession(s).includes("edit_file path"));
+});
+
 test("a failed tool call is marked as an error", () => {
   const store = new SessionStore();
   playSession(store);
