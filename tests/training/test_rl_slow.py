@@ -74,6 +74,13 @@ def test_train_moves_weights_versions_metrics_and_resumes(tmp_path):
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(base[key].float(), new[key].float())
     assert (out / "reward.png").exists() and (out / "time.png").exists()
+    from opencomposer.agent.traces import TraceStore
+
+    store = TraceStore(out / "traces.db")  # every episode is a trace, like a user's session
+    sessions = [store.get(s["session_id"]) or {} for s in store.list_sessions(limit=1000)]
+    store.close()
+    assert len(sessions) >= 2 * 2 * 4  # steps x groups x group size
+    assert all(s["meta"].get("task_id", "").startswith("coin-") for s in sessions)
 
     out = train(cfg, out=tmp_path / "run", max_steps=3)  # resume
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
