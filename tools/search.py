@@ -30,6 +30,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -39,7 +40,13 @@ import pathspec
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import SearchHit, ToolContext, ToolError, ToolResult
 from opencomposer.tools.specs import GLOB, GREP
-from opencomposer.tools.workspace import parent_dir, read_regular, walk_files
+from opencomposer.tools.workspace import (
+    open_dir,
+    open_regular,
+    parent_dir,
+    read_regular,
+    walk_files,
+)
 
 GREP_MAX_SHOWN = 200
 GREP_MAX_COUNTED = 50_000  # stop reading matches past this; say "more than"
@@ -236,16 +243,14 @@ def _start(root: Path, key: str) -> Iterator[_Start]:
     try:
         with parent_dir(root, key) as (dir_fd, name):
             if (root / key).is_dir():
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                fd = open_dir(dir_fd, name)
                 try:
                     yield _Start(f"/proc/self/fd/{fd}", [], key + "/", pass_fds=(fd,))
                 finally:
                     os.close(fd)
                 return
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            fd = open_regular(dir_fd, name, key, limit=sys.maxsize)  # rg streams it
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ToolError(f"{key} is not a regular file; grep searches text files")
                 yield _Start(str(root), ["--", "-"], "", stdin=fd, stdin_name=key)
             finally:
                 os.close(fd)

@@ -135,15 +135,24 @@ def read_regular(dir_fd: int, name: str, key: str, limit: int | None = None) -> 
     caught too. `limit` defaults to MAX_FILE_BYTES.
     """
     limit = MAX_FILE_BYTES if limit is None else limit
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    _check_regular(st, key, limit)
-    fd = os.open(name, _O_READ, dir_fd=dir_fd)
-    with open(fd, "rb", buffering=0) as f:
-        _check_regular(os.fstat(fd), key, limit)
+    with open(open_regular(dir_fd, name, key, limit), "rb", buffering=0) as f:
         data = f.readall()
     if len(data) > limit:
         raise _too_big(key, len(data), limit)
     return data
+
+
+def open_regular(dir_fd: int, name: str, key: str, limit: int | None = None) -> int:
+    """A read descriptor of the regular file `name` in `dir_fd` (see `read_regular`)."""
+    limit = MAX_FILE_BYTES if limit is None else limit
+    _check_regular(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), key, limit)
+    fd = os.open(name, _O_READ, dir_fd=dir_fd)
+    try:
+        _check_regular(os.fstat(fd), key, limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _check_regular(st: os.stat_result, key: str, limit: int) -> None:
@@ -424,7 +433,8 @@ _STARS = re.compile(r"(?<!\\)\*+")
 _MAX_WILDCARDS = 3
 
 
-def _open_dir(dir_fd: int, name: str) -> int:
+def open_dir(dir_fd: int, name: str) -> int:
+    """A descriptor of the folder `name` in `dir_fd`, never through a symlink."""
     return os.open(name, _O_DIR, dir_fd=dir_fd)
 
 
@@ -463,7 +473,7 @@ def _walk_kinds(root: Path, start: str, include_dirs: bool) -> Iterator[tuple[st
         for i, name in enumerate(parts):
             rules = _Ignore(rules, "/".join(parts[:i]), _load_ignore(fd))
             try:
-                sub = _open_dir(fd, name)
+                sub = open_dir(fd, name)
             except OSError:
                 return
             os.close(fd)
@@ -499,7 +509,7 @@ def _walk(
             yield child, "dir"
         if kind == "dir":
             try:
-                sub = _open_dir(dir_fd, entry.name)
+                sub = open_dir(dir_fd, entry.name)
             except OSError:  # swapped for a symlink or removed since the scan
                 continue
             try:

@@ -3,16 +3,14 @@ driven through the declared specs exactly as the session executor runs them."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+from fifo_guard import unblocked
 from opencomposer.tools import specs, workspace
 from opencomposer.tools.protocols import ToolContext, ToolResult
 from opencomposer.tools.workspace import LocalWorkspace
@@ -335,21 +333,6 @@ async def test_read_file_refuses_huge_files_with_advice(
 # -- issue 19: special files, symlinks, aliases, size ------------------------------
 
 
-def _unblocked(fifo: Path, coro_fn, timeout: float = 5.0) -> ToolResult:  # type: ignore[no-untyped-def]
-    """Run a tool call on its own event loop in a thread; a call that blocks on the
-    FIFO is unblocked (a writer opens and closes it) and the test fails."""
-    out: list[ToolResult] = []
-    worker = threading.Thread(target=lambda: out.append(asyncio.run(coro_fn())), daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        with contextlib.suppress(OSError):
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        worker.join(timeout)
-        pytest.fail(f"the call blocked on the FIFO {fifo.name}")
-    return out[0]
-
-
 async def test_file_tools_refuse_a_fifo_at_once(ctx: ToolContext) -> None:
     """Issue 19 item 10: read_file on a FIFO blocked the event loop (and the language
     server) for good. Every file tool refuses it in one line and leaves it in place."""
@@ -361,9 +344,9 @@ async def test_file_tools_refuse_a_fifo_at_once(ctx: ToolContext) -> None:
         ("write_file", dict(path="src/pipe.py", content="x")),
         ("delete_file", dict(path="src/pipe.py")),
     ]:
-        r = _unblocked(fifo, lambda name=name, raw=raw: call(ctx, name, **raw))
+        r = unblocked(fifo, lambda name=name, raw=raw: call(ctx, name, **raw))
         assert r.status == "error" and "\n" not in r.output, (name, r.output)
-    r = _unblocked(fifo, lambda: call(ctx, "list_dir", path="src"))
+    r = unblocked(fifo, lambda: call(ctx, "list_dir", path="src"))
     assert r.status == "ok" and "pipe.py" in r.output and "app.py" in r.output
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
+from fifo_guard import unblocked
 from opencomposer.index import Hit
 from opencomposer.tools import search, specs
 from opencomposer.tools.protocols import ToolContext, ToolResult
@@ -223,20 +221,6 @@ async def test_grep_model_input_never_becomes_an_rg_option(
     assert not marker.exists()
 
 
-def _guarded(fifo: Path, coro_fn, timeout: float = 10.0) -> ToolResult:  # type: ignore[no-untyped-def]
-    """Run a tool call on its own loop in a thread; fail (after unblocking) if it blocks."""
-    out: list[ToolResult] = []
-    worker = threading.Thread(target=lambda: out.append(asyncio.run(coro_fn())), daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        with contextlib.suppress(OSError):
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        worker.join(timeout)
-        pytest.fail(f"the call blocked on the FIFO {fifo.name}")
-    return out[0]
-
-
 async def test_grep_and_glob_skip_special_files_and_symlink_loops(
     ctx: ToolContext, engine: str
 ) -> None:
@@ -247,11 +231,11 @@ async def test_grep_and_glob_skip_special_files_and_symlink_loops(
     os.mkfifo(fifo)
     (root / "loop").symlink_to("loop")
     (root / "src" / "up").symlink_to("..")
-    r = _guarded(fifo, lambda: call(ctx, "grep", pattern="retry", path="src/pipe.py"))
+    r = unblocked(fifo, lambda: call(ctx, "grep", pattern="retry", path="src/pipe.py"))
     assert r.status == "error" and "regular file" in r.output
-    r = _guarded(fifo, lambda: call(ctx, "grep", pattern=r"retry\("))
+    r = unblocked(fifo, lambda: call(ctx, "grep", pattern=r"retry\("))
     assert r.output.splitlines() == ["src/app.py:1:def retry(n):", "src/net/client.py:2:retry(2)"]
-    r = _guarded(fifo, lambda: call(ctx, "glob", pattern="**/*"))
+    r = unblocked(fifo, lambda: call(ctx, "glob", pattern="**/*"))
     assert r.output.splitlines() == [
         ".gitignore",
         "data.bin",
