@@ -54,7 +54,14 @@ from pathlib import Path
 from opencomposer.tools.git import Git, GitError
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training.env import run_command
-from opencomposer.training.tasks import SKIP_NAMES, TaskError, pack_dir, write_task
+from opencomposer.training.tasks import (
+    SKIP_NAMES,
+    TaskError,
+    load_task,
+    pack_dir,
+    safe_extract,
+    write_task,
+)
 
 STATE_DIR = ".opencomposer"  # inside the scratch copy; never packed into repo.tar
 TEST_TIMEOUT_S = 300.0
@@ -905,7 +912,6 @@ async def _try(
 async def _verified(task_dir: Path, m: Mutation, cfg: MineConfig) -> bool:
     """In the sandbox: verify fails on the task as written, and passes once the
     original code is restored."""
-    from opencomposer.training.tasks import load_task, safe_extract
 
     task = load_task(task_dir)
     sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30)
@@ -985,7 +991,6 @@ def fetch_sdist(name: str, dest: Path) -> Path:
     archives = sorted(dl.glob("*.tar.gz")) if dl.is_dir() else []
     if proc.returncode != 0 or not archives:
         raise TaskError(f"pip download {name} failed: {' '.join(proc.stderr.split())[-300:]}")
-    from opencomposer.training.tasks import safe_extract
 
     safe_extract(archives[0], dest / "src")
     roots = [p for p in (dest / "src").iterdir() if p.is_dir()]
