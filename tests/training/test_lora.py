@@ -1,0 +1,89 @@
+"""LoRA: training moves only the adapters, merging equals the wrapped model, the
+adapter file round-trips, and a checkpoint resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opencomposer.training.lora import (
+    LoraConfig,
+    LoraError,
+    apply_lora,
+    merge_adapter,
+    merged_state_dict,
+    save_adapter,
+)
+from opencomposer.training.rollouts import Sample
+from opencomposer.training.trainer import Trainer, TrainerConfig, tiny_llama
+
+
+def _samples(n: int = 4) -> list[Sample]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 64, (12,), generator=g).tolist()
+        out.append(
+            Sample(input_ids=tokens, mask=[0] * 4 + [1] * 8, old_logprobs=[0.0] * 12, advantage=1.0)
+        )
+    return out
+
+
+def test_only_adapters_train_and_merged_weights_match_the_wrapped_model():
+    base = tiny_llama(seed=0)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    tr = Trainer(base, TrainerConfig(lr=5e-2, precision="fp32", lora_rank=4, lora_alpha=8))
+    trainable = [n for n, p in tr.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    for _ in range(3):
+        tr.sft_step(_samples())
+    merged = dict(tr.named_weights(torch.float32))
+    assert set(merged) == set(before)  # plain HF names, no wrapper names
+    changed = [k for k in before if not torch.equal(merged[k], before[k])]
+    assert changed and all(k.endswith("_proj.weight") for k in changed)
+    # A plain model with the merged weights computes what the wrapped one does.
+    plain = tiny_llama(seed=0)
+    plain.load_state_dict(merged)
+    x = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        want = tr.model(x).logits
+        got = plain(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_file_merges_into_the_base_and_refuses_other_weights(tmp_path):
+    model = tiny_llama(seed=0)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, LoraConfig(rank=2, alpha=4))
+    for name, p in model.named_parameters():
+        if name.endswith("lora_b"):
+            torch.nn.init.normal_(p, std=0.1)
+    save_adapter(model, tmp_path / "a")
+    merged = merge_adapter(base_state, tmp_path / "a")
+    want = merged_state_dict(model)
+    for k, v in want.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6)
+    other = {k: v + 1.0 for k, v in base_state.items()}
+    with pytest.raises(LoraError, match="other base weights"):
+        merge_adapter(other, tmp_path / "a")
+    with pytest.raises(LoraError, match="no adapter"):
+        merge_adapter(base_state, tmp_path / "missing")
+
+
+def test_no_matching_layer_is_an_error():
+    with pytest.raises(LoraError, match="no linear layer"):
+        apply_lora(tiny_llama(), LoraConfig(rank=2, targets=("nothing",)))
+
+
+def test_checkpoint_resumes_the_adapters_exactly(tmp_path):
+    cfg = TrainerConfig(lr=5e-2, precision="fp32", lora_rank=4)
+    a = Trainer(tiny_llama(seed=0), cfg)
+    a.sft_step(_samples())
+    a.save(tmp_path / "ck")
+    assert (tmp_path / "ck" / "adapter.safetensors").is_file()
+    b = Trainer(tiny_llama(seed=0), cfg)
+    b.load(tmp_path / "ck")
+    for s in (a, b):
+        s.sft_step(_samples(2))
+    wa, wb = dict(a.named_weights(torch.float32)), dict(b.named_weights(torch.float32))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)

@@ -1,0 +1,220 @@
+"""Low-rank adapters (LoRA) for the trainer, and the adapter file the embedded model ships.
+
+``apply_lora`` freezes a causal LM and wraps its projection layers (``q_proj`` …
+``down_proj`` by default) in `LoraLinear`: ``y = W x + (alpha / r) · B (A x)``, with
+``A`` (r × in) random and ``B`` (out × r) zero, so training starts from the
+unchanged model. Only ``A`` and ``B`` train: the optimizer state is a few MB, not
+twice the model.
+
+The sampler and the checkpoints never see the wrappers: `merged_state_dict` gives
+the plain Hugging Face state dict with ``W + (alpha / r) · B A`` folded in, which is
+what weight sync sends to vLLM and what ``save_pretrained`` writes, so a LoRA run's
+checkpoints load anywhere a full fine-tune's do.
+
+The adapter alone (``adapter.safetensors`` + ``adapter.json``: rank, alpha, targets,
+and a fingerprint of the base weights it was trained on) is the shipped artifact:
+`merge_adapter` folds it into a base state dict when the embedded model loads, and
+refuses an adapter trained on other weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter.json"
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be applied; one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, scale: float) -> None:
+        super().__init__()
+        self.base = base
+        self.base.requires_grad_(False)
+        self.scale = scale
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            self.base(x)
+            + (x @ self.lora_a.t().to(x.dtype)) @ self.lora_b.t().to(x.dtype) * self.scale
+        )
+
+    def delta(self) -> torch.Tensor:
+        """``scale · B A``, the update to the base weight."""
+        return (self.lora_b @ self.lora_a) * self.scale
+
+
+def apply_lora(model: torch.nn.Module, config: LoraConfig) -> list[str]:
+    """Freeze ``model`` and wrap every ``nn.Linear`` whose attribute name is one of
+    ``config.targets``; returns the wrapped modules' names. LoraError when none match."""
+    if config.rank < 1:
+        raise LoraError(f"LoRA rank must be at least 1, got {config.rank}")
+    model.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in config.targets and isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, LoraLinear(child, config.rank, config.scale))
+                wrapped.append(f"{name}.{child_name}" if name else child_name)
+    if not wrapped:
+        raise LoraError(f"no linear layer named one of {', '.join(config.targets)} to adapt")
+    model.lora_config = config  # type: ignore[assignment]
+    return wrapped
+
+
+def lora_modules(model: torch.nn.Module) -> Iterable[tuple[str, LoraLinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLinear):
+            yield name, m
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return any(True for _ in lora_modules(model))
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under its plain names, adapters folded into the weights."""
+    deltas = {f"{name}.weight": m.delta().detach() for name, m in lora_modules(model)}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        if ".lora_a" in key or ".lora_b" in key:
+            continue
+        plain = key.replace(".base.", ".")
+        t = t.detach()
+        if plain in deltas:
+            t = t + deltas[plain].to(t.dtype)
+        out[plain] = t
+    return out
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable tensors only, by ``<module>.lora_a`` / ``<module>.lora_b``."""
+    out = {}
+    for name, m in lora_modules(model):
+        out[f"{name}.lora_a"] = m.lora_a.detach().contiguous()
+        out[f"{name}.lora_b"] = m.lora_b.detach().contiguous()
+    return out
+
+
+def load_adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved adapter tensors into a model wrapped by `apply_lora` (the same layout)."""
+    mine = dict(lora_modules(model))
+    seen = set()
+    for key, t in tensors.items():
+        name, _, which = key.rpartition(".")
+        m = mine.get(name)
+        if m is None or which not in ("lora_a", "lora_b"):
+            raise LoraError(f"adapter tensor {key} matches no adapted layer")
+        param = getattr(m, which)
+        if param.shape != t.shape:
+            raise LoraError(
+                f"adapter tensor {key}: shape {tuple(t.shape)}, expected {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(t.to(param.dtype))
+        seen.add(key)
+    missing = {f"{n}.{w}" for n in mine for w in ("lora_a", "lora_b")} - seen
+    if missing:
+        raise LoraError(f"adapter misses {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+
+
+def fingerprint(state: dict[str, torch.Tensor], names: Iterable[str]) -> str:
+    """A short hash of the base weights an adapter applies to (those layers only)."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        t = state[name].detach().to(torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes()[: 1 << 16])  # the first 64 KiB of each: enough to tell
+    return h.hexdigest()[:16]
+
+
+def save_adapter(
+    model: torch.nn.Module, folder: Path, *, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write ``adapter.safetensors`` (fp32: a resumed run continues exactly) and
+    ``adapter.json`` into ``folder``."""
+    from safetensors.torch import save_file
+
+    config: LoraConfig = model.lora_config  # type: ignore[assignment]
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(torch.float32) for k, v in adapter_state(model).items()}
+    base = {
+        k.replace(".base.", "."): v
+        for k, v in model.state_dict().items()
+        if ".base." in k and k.endswith(".weight")
+    }
+    meta = {
+        **asdict(config),
+        "targets": list(config.targets),
+        "base_fingerprint": fingerprint(base, base),
+        **(extra or {}),
+    }
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
+    return folder
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of a saved adapter; LoraError (one line) when unusable."""
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads((folder / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    except FileNotFoundError as e:
+        raise LoraError(f"{folder}: no adapter ({e.filename} missing)") from None
+    except (ValueError, OSError) as e:
+        raise LoraError(f"{folder}: unreadable adapter: {e}") from None
+    if not isinstance(meta, dict) or not {"rank", "alpha"} <= meta.keys():
+        raise LoraError(f"{folder / ADAPTER_CONFIG}: expected rank and alpha")
+    return meta, tensors
+
+
+def merge_adapter(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """``state`` (a plain HF state dict) with the adapter in ``folder`` folded in, in
+    the state's dtypes. Refuses an adapter whose layers or base weights do not match."""
+    meta, tensors = read_adapter(folder)
+    scale = float(meta["alpha"]) / int(meta["rank"])
+    layers = sorted({k.rpartition(".")[0] for k in tensors})
+    names = [f"{layer}.weight" for layer in layers]
+    absent = [n for n in names if n not in state]
+    if absent:
+        raise LoraError(f"adapter layer {absent[0]} is not in the base model")
+    want = meta.get("base_fingerprint")
+    if want and fingerprint(state, names) != want:
+        raise LoraError(f"{folder}: adapter was trained on other base weights")
+    out = dict(state)
+    for layer, name in zip(layers, names, strict=True):
+        a = tensors[f"{layer}.lora_a"].to(torch.float32)
+        b = tensors[f"{layer}.lora_b"].to(torch.float32)
+        w = state[name]
+        out[name] = (w.to(torch.float32) + (b @ a) * scale).to(w.dtype)
+    return out
