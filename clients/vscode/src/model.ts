@@ -16,6 +16,9 @@ export interface ToolCall {
   args: Record<string, unknown>;
   status: "running" | "ok" | "error";
   durationS?: number;
+  output?: string; // the result, cut at head and tail by the server
+  tStart: number;
+  tEnd?: number;
 }
 
 export interface FileEdit {
@@ -24,11 +27,15 @@ export interface FileEdit {
   decision?: "accept" | "reject";
 }
 
-/** One item of the transcript, in order: streamed text, a tool call, an edit. */
+/** One item of the transcript, in order: the user's request, streamed prose, the
+ * tool calls of one model message (they run concurrently), an edit, a note from
+ * the session or the client (errors). */
 export type Item =
+  | { kind: "user"; text: string }
   | { kind: "text"; turn: number; text: string }
-  | { kind: "tool"; call: ToolCall }
-  | { kind: "edit"; edit: FileEdit };
+  | { kind: "tools"; turn: number; calls: ToolCall[] }
+  | { kind: "edit"; edit: FileEdit }
+  | { kind: "note"; text: string };
 
 export interface SessionState {
   id: string;
@@ -43,6 +50,12 @@ export interface SessionState {
   trace: string;
   answer?: string;
   lastActivity: string;
+  promptTokens: number; // the latest turn's prompt: how full the context is
+  completionTokens: number; // all turns
+  startedAt: number; // client wall clock (ms) when the session (or its follow-up) started
+  endedAt?: number;
+  modelStartT?: number; // `t` of the first model_start and of the first prose (latency probes)
+  firstProseT?: number;
 }
 
 export class SessionStore {
@@ -84,23 +97,34 @@ export class SessionStore {
         durationS: 0,
         trace: "",
         lastActivity: "starting",
+        promptTokens: 0,
+        completionTokens: 0,
+        startedAt: Date.now(),
       };
+      if (s.query) s.items.push({ kind: "user", text: s.query });
       this.sessions.set(ev.session_id, s);
     }
     switch (ev.type) {
       case "session_start":
         s.model = String(ev.model ?? "");
+        s.status = "running";
         s.lastActivity = "started";
         break;
       case "model_start":
         s.turns = Number(ev.turn);
+        s.modelStartT ??= ev.t;
         s.lastActivity = `thinking (turn ${ev.turn})`;
+        break;
+      case "model_end":
+        s.promptTokens = Number(ev.prompt_tokens ?? s.promptTokens);
+        s.completionTokens += Number(ev.completion_tokens ?? 0);
         break;
       case "model_delta": {
         // `prose`: the reply without its tool-call XML, as the agent's parser decided it
         // (the calls show as tool items); `text` from servers that do not send it.
         const piece = typeof ev.prose === "string" ? ev.prose : String(ev.text);
         if (!piece) break;
+        s.firstProseT ??= ev.t;
         const last = s.items[s.items.length - 1];
         const turn = Number(ev.turn);
         if (last && last.kind === "text" && last.turn === turn) last.text += piece;
@@ -110,7 +134,7 @@ export class SessionStore {
       case "message":
         // deltas carry the text; a message that starts with "[" is the session's own note (errors)
         if (typeof ev.text === "string" && ev.text.startsWith("[")) {
-          s.items.push({ kind: "text", turn: Number(ev.turn), text: ev.text });
+          s.items.push({ kind: "note", text: ev.text });
         }
         break;
       case "tool_start": {
@@ -119,8 +143,12 @@ export class SessionStore {
           name: String(ev.name),
           args: (ev.args as Record<string, unknown>) ?? {},
           status: "running",
+          tStart: ev.t,
         };
-        s.items.push({ kind: "tool", call });
+        const turn = Number(ev.turn);
+        const last = s.items[s.items.length - 1];
+        if (last && last.kind === "tools" && last.turn === turn) last.calls.push(call);
+        else s.items.push({ kind: "tools", turn, calls: [call] });
         s.toolCalls += 1;
         s.lastActivity = `${call.name} ${summarizeArgs(call.args)}`.trim();
         break;
@@ -130,6 +158,8 @@ export class SessionStore {
         if (call) {
           call.status = ev.status === "ok" ? "ok" : "error";
           call.durationS = Number(ev.duration_s);
+          call.tEnd = ev.t;
+          if (typeof ev.output === "string") call.output = ev.output;
         }
         break;
       }
@@ -148,9 +178,35 @@ export class SessionStore {
         s.durationS = Number(ev.duration_s ?? 0);
         s.trace = String(ev.trace ?? "");
         s.lastActivity = s.status;
+        s.endedAt = Date.now();
         break;
     }
     return s;
+  }
+
+  /** A follow-up request in session `id` (sent with `session_id`): the session runs
+   * again, its transcript kept. */
+  followUp(id: string, query: string): SessionState | undefined {
+    const s = this.sessions.get(id);
+    if (!s) return undefined;
+    s.items.push({ kind: "user", text: query });
+    s.status = "running";
+    s.lastActivity = "starting";
+    s.startedAt = Date.now();
+    s.endedAt = undefined;
+    return s;
+  }
+
+  /** The server went away: sessions it was running end here, with a note. */
+  disconnect(reason: string): SessionState[] {
+    const hit = this.running();
+    for (const s of hit) {
+      s.status = "disconnected";
+      s.lastActivity = "disconnected";
+      s.endedAt = Date.now();
+      s.items.push({ kind: "note", text: reason });
+    }
+    return hit;
   }
 
   /** Record the user's accept/reject of one file's edits. */
@@ -164,7 +220,9 @@ export class SessionStore {
 function findCall(s: SessionState, callId: string): ToolCall | undefined {
   for (let i = s.items.length - 1; i >= 0; i--) {
     const item = s.items[i];
-    if (item.kind === "tool" && item.call.callId === callId) return item.call;
+    if (item.kind !== "tools") continue;
+    const call = item.calls.find((c) => c.callId === callId);
+    if (call) return call;
   }
   return undefined;
 }
@@ -193,11 +251,12 @@ export interface EditorState {
 export function askArguments(
   query: string,
   editor: EditorState,
-  options: { model?: string; approve?: string; autoApplyEdits?: boolean } = {},
+  options: { model?: string; approve?: string; autoApplyEdits?: boolean; sessionId?: string; reveal?: boolean } = {},
 ): Record<string, unknown> {
   const q = query.trim();
   if (!q) throw new Error("the question is empty");
   const arg: Record<string, unknown> = { query: q };
+  if (options.sessionId) arg.session_id = options.sessionId;
   if (editor.uri) arg.uri = editor.uri;
   const sel = editor.selection;
   if (editor.uri && sel && (sel.start.line !== sel.end.line || sel.start.character !== sel.end.character)) {
@@ -207,7 +266,36 @@ export function askArguments(
   if (options.model) arg.model = options.model;
   if (options.approve) arg.approve = options.approve;
   if (options.autoApplyEdits !== undefined) arg.auto_apply_edits = options.autoApplyEdits;
+  if (options.reveal) arg.reveal = true;
   return arg;
+}
+
+/** Whether some of these calls ran at the same time (one started before another ended). */
+export function ranInParallel(calls: ToolCall[]): boolean {
+  const spans = calls.map((c) => [c.tStart, c.tEnd ?? Infinity]).sort((x, y) => x[0] - y[0]);
+  for (let i = 1; i < spans.length; i++) if (spans[i][0] < spans[i - 1][1]) return true;
+  return false;
+}
+
+export function formatTokens(n: number): string {
+  return n >= 1000 ? `${(n / 1000).toFixed(1)}k` : String(n);
+}
+
+export function formatElapsed(seconds: number): string {
+  if (seconds < 60) return `${seconds.toFixed(1)}s`;
+  return `${Math.floor(seconds / 60)}m${String(Math.floor(seconds % 60)).padStart(2, "0")}s`;
+}
+
+/** The panel's status line: model, turn, tokens (context now / generated), elapsed. */
+export function statusLine(s: SessionState, now = Date.now()): string {
+  const elapsed = ((s.endedAt ?? now) - s.startedAt) / 1000;
+  const parts = [
+    s.model || "model …",
+    `turn ${s.turns}`,
+    `${formatTokens(s.promptTokens)} ctx · ${formatTokens(s.completionTokens)} out tokens`,
+    formatElapsed(Math.max(0, elapsed)),
+  ];
+  return parts.join(" · ");
 }
 
 export type DiffLineKind = "add" | "del" | "hunk" | "meta" | "ctx";
