@@ -76,6 +76,8 @@ class OptimSection:
     grad_clip: float = 1.0
     micro_batch_size: int = 4
     gradient_checkpointing: bool = False  # recompute activations: less memory, ~30% more time
+    lora_rank: int = 0  # >0: train rank-r adapters on the frozen model (training/lora.py)
+    lora_alpha: float = 32.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +112,37 @@ class SftSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClusterSection:
+    """The roles as Ray actors across a cluster (``training/cluster.py``). Without a
+    ``[cluster]`` section everything runs in this process, as on one machine.
+
+    ``*_resource``: a custom Ray resource label (``ray start --resources='{"gpu_node": 1}'``)
+    that a role's placement-group bundles ask a sliver of, which pins the role to the
+    nodes carrying that label; "" places it wherever its CPUs/GPUs fit."""
+
+    address: str = ""  # "": start a local Ray (as now); "auto" or "HOST:PORT": join a cluster
+    samplers: int = 1  # vLLM engine replicas, one Ray actor each
+    sampler_cpus: float = 1.0
+    sampler_gpus: float = 0.0  # > 0: each replica on its own GPU(s)
+    sampler_resource: str = ""
+    sampler_placement: Literal["pack", "spread", "strict_spread"] = "spread"
+    trainer_ranks: int = 1  # torch.distributed ranks, one Ray actor each
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0  # > 0: one CUDA device per rank, NCCL
+    trainer_resource: str = ""
+    trainer_placement: Literal["pack", "strict_pack", "spread"] = "pack"
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with GPUs, else gloo
+    env_workers_per_node: int = (
+        1  # episode workers per node (each with rollout.num_workers env actors)
+    )
+    env_resource: str = ""  # only nodes with this label get environment workers
+    weight_delta: bool = True  # send only the changed bf16 elements when that is smaller
+    episode_retries: int = 2  # re-runs of an episode whose sampler replica or env worker died
+    master_port: int = 0  # torch.distributed rendezvous port (0: a free one)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     tasks: TasksSection = field(default_factory=TasksSection)
@@ -118,6 +151,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
     sft: SftSection = field(default_factory=SftSection)
+    cluster: ClusterSection | None = None  # None: one process, as on one machine
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:
@@ -161,7 +195,8 @@ def parse_config(data: dict[str, Any]) -> TrainConfig:
     for key, value in data.items():
         if key not in hints:
             raise ConfigError(f"unknown section [{key}] (known: {', '.join(hints)})")
-        kw[key] = _section(hints[key], value, key)
+        cls = next(a for a in typing.get_args(hints[key]) or (hints[key],) if a is not type(None))
+        kw[key] = _section(cls, value, key)
     cfg = TrainConfig(**kw)
     r = cfg.rollout
     if r.group_size < 2:
@@ -172,7 +207,29 @@ def parse_config(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("run.steps must be >= 0 and optim.micro_batch_size >= 1")
     if cfg.run.keep_checkpoints < 0:
         raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
+    if cfg.cluster is not None:
+        _check_cluster(cfg)
     return cfg
+
+
+def _check_cluster(cfg: TrainConfig) -> None:
+    c = cfg.cluster
+    assert c is not None
+    if c.samplers < 1 or c.trainer_ranks < 1 or c.env_workers_per_node < 1:
+        raise ConfigError(
+            "cluster.samplers, cluster.trainer_ranks and cluster.env_workers_per_node must be >= 1"
+        )
+    if min(c.sampler_cpus, c.sampler_gpus, c.trainer_cpus, c.trainer_gpus) < 0:
+        raise ConfigError("cluster CPU and GPU counts must be >= 0")
+    if c.backend == "nccl" and c.trainer_gpus <= 0:
+        raise ConfigError("cluster.backend = 'nccl' needs cluster.trainer_gpus > 0")
+    if c.episode_retries < 0 or not 0 <= c.master_port < 65536:
+        raise ConfigError("cluster.episode_retries must be >= 0 and cluster.master_port a port")
+    if cfg.sft.warmup_rounds > 0:
+        raise ConfigError(
+            "[sft] warmup_rounds is not supported with [cluster] yet: warm-start on one "
+            "machine, then point model.path at that checkpoint"
+        )
 
 
 def load_config(path: Path) -> TrainConfig:

@@ -20,7 +20,10 @@ One step:
 Where things run: the trainer and the sampler (vLLM in-process on CPU, so the
 weight sync is a memory copy) live in this process; workspaces, setup and verify
 run on the environment server's Ray actors; the agent session loop runs here on
-the event loop, many episodes at once.
+the event loop, many episodes at once. With a ``[cluster]`` section the same loop
+drives Ray actors instead: sampler replicas, trainer ranks and per-node episode
+workers (``training/cluster.py``); the run folder then also gets ``cluster.json``
+(where each role ran, the replicas' versions, the ranks' weight checksums).
 
 Run: ``opencomposer train --config configs/starter.toml [--max-steps N] [--out DIR] [--sft]``.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import itertools
 import json
@@ -172,6 +176,8 @@ def trainer_config(cfg: TrainConfig) -> TrainerConfig:
         grad_clip=o.grad_clip,
         micro_batch_size=o.micro_batch_size,
         gradient_checkpointing=o.gradient_checkpointing,
+        lora_rank=o.lora_rank,
+        lora_alpha=o.lora_alpha,
         precision=cfg.model.precision,
         loss=LossConfig(
             clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef, aggregation=a.aggregation
@@ -375,6 +381,9 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
                 "groups_dropped_stale": scheduler.dropped_stale,
                 "aborted_turns": getattr(run.sampler, "aborted_turns", 0),
             }
+            sampler_metrics = getattr(run.sampler, "metrics", None)
+            if callable(sampler_metrics):  # a cluster: weight bytes sent, replacements
+                extra.update(sampler_metrics())
             if (
                 run.heldout
                 and cfg.tasks.eval_every
@@ -420,6 +429,10 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
     if not tasks:
         raise ConfigError(f"task suite {cfg.tasks.suite!r} is empty")
     folder = model_folder(cfg, out)
+    if cfg.cluster is not None:
+        if sft:
+            raise ConfigError("--sft is not supported with [cluster] yet; run it on one machine")
+        return await train_on_cluster(cfg, out, tasks, heldout, folder, max_steps=max_steps)
     trainer = Trainer.from_pretrained(
         folder, trainer_config(cfg), with_reference=cfg.algo.kl_coef > 0
     )
@@ -459,6 +472,46 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         await env.close()
         traces.close()
         await sampler.close()
+
+
+async def train_on_cluster(
+    cfg: TrainConfig,
+    out: Path,
+    tasks: Sequence[Any],
+    heldout: Sequence[Any],
+    folder: Path,
+    *,
+    max_steps: int | None = None,
+) -> Path:
+    """``run_loop`` with its roles on Ray actors (``[cluster]``); writes ``cluster.json``."""
+    from opencomposer.training.cluster import Cluster
+
+    cluster = Cluster(
+        cfg,
+        folder,
+        make_model=functools.partial(make_sampler, cfg, folder),
+        to_rollout=rollout_from_episode,
+        trainer_config=trainer_config(cfg),
+    )
+    try:
+        await cluster.start()
+        run = Run(
+            config=cfg,
+            out=out,
+            trainer=cluster.trainer,
+            sampler=cluster.sampler,
+            episode=cluster.episode,
+            tasks=tasks,
+            heldout=heldout,
+            prompt_style=resolve_prompt_style(cfg, cluster.sampler),
+        )
+        cluster.trainer.prompt_style = run.prompt_style
+        await run_loop(run, max_steps=max_steps)
+        report = await cluster.report()
+        (out / "cluster.json").write_text(json.dumps(report, indent=2))
+        return out
+    finally:
+        await cluster.close()
 
 
 def train(

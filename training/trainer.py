@@ -65,6 +65,28 @@ class TrainerConfig:
     device: str = "cpu"
     loss: LossConfig = field(default_factory=LossConfig)
     gradient_checkpointing: bool = False
+    lora_rank: int = 0  # >0: train low-rank adapters on a frozen model (training/lora.py)
+    lora_alpha: float = 32.0
+
+
+class PolicyHead(torch.nn.Module):
+    """A causal LM's forward that projects only the selected positions to the vocabulary.
+
+    ``forward(ids [B, T], attn [B, T], sel [B, T-1] bool) -> logits [N, V]`` where N is
+    the number of selected positions (position i predicts token i+1). It is one module
+    so that DDP/FSDP2 can wrap the whole trained forward (``training/cluster.py``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        body, head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
+        if body is None or head is None:
+            logits = self.model(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
+            return logits[:, :-1][sel]
+        hidden = body(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
+        return head(hidden[:, :-1][sel])
 
 
 class Trainer:
@@ -87,8 +109,15 @@ class Trainer:
             from opencomposer.kernels.moe import use_grouped_experts
 
             model = use_grouped_experts(model)
+        if config.lora_rank > 0:
+            from opencomposer.training.lora import LoraConfig, apply_lora
+
+            apply_lora(model, LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha))
         self.model = model.to(self.device, dtype=torch.float32)
         self.model.train()
+        # the trained forward; training/cluster.py wraps it in DDP or FSDP2 (``distribute``)
+        self.policy: torch.nn.Module = PolicyHead(self.model)
+        self.world_size = 1  # > 1: gradients are averaged over ranks by the wrapper
         if config.gradient_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable()
         self.ref_model = ref_model
@@ -157,23 +186,21 @@ class Trainer:
         """Per-position logprob of the next token and entropy, [B, T-1] each.
 
         Only trained positions matter, and prompts (a long system prompt, tool
-        results) dominate the sequence, so for models with the usual ``model`` +
-        ``lm_head`` split the vocabulary projection runs on masked positions only:
-        ~10x less memory for the [tokens, vocab] logits on agent traces."""
-        body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+        results) dominate the sequence, so the vocabulary projection runs on masked
+        positions only (``PolicyHead``): ~10x less memory for the [tokens, vocab]
+        logits on agent traces. ``model`` is the policy (through ``self.policy``, which
+        DDP or FSDP2 may wrap on a cluster) or the reference model."""
         ids, sel = mb["ids"], mb["mask"] > 0  # sel: [B, T-1]
-        if body is None or head is None:
-            with self._autocast():
-                logits = model(input_ids=ids, attention_mask=mb["attn"]).logits  # [B, T, V]
-            return token_logprobs_and_entropy(logits[:, :-1], ids[:, 1:])
+        fwd = self.policy if model is self.model else PolicyHead(model)
         with self._autocast():
-            hidden = body(input_ids=ids, attention_mask=mb["attn"]).last_hidden_state  # [B, T, H]
-            logits = head(hidden[:, :-1][sel])  # [N, V]
+            logits = fwd(ids, mb["attn"], sel)  # [N, V]
         lp, ent = token_logprobs_and_entropy(logits[None], ids[:, 1:][sel][None])  # [1, N]
         full_lp = lp.new_zeros(sel.shape)
         full_lp[sel] = lp[0]
         full_ent = ent.new_zeros(sel.shape)
         full_ent[sel] = ent[0]
+        if not sel.any():  # an empty (padding) micro-batch: keep every parameter in the graph
+            full_lp = full_lp + 0.0 * logits.sum()
         return full_lp, full_ent
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -187,21 +214,69 @@ class Trainer:
         call = functools.partial(_then_trim, functools.partial(fn, *args, **kwargs))
         return await loop.run_in_executor(self._thread, call)
 
-    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One optimizer step over ``samples``; returns the step's statistics."""
+    def distribute(
+        self, wrap: Callable[[torch.nn.Module], torch.nn.Module], world_size: int
+    ) -> None:
+        """Train as one of ``world_size`` ranks: ``wrap`` (DDP, FSDP2) wraps the policy
+        forward and averages gradients over ranks; see ``step``'s ``totals``."""
+        self.policy = wrap(self.policy)
+        self.world_size = world_size
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+
+    def step(
+        self,
+        samples: Sequence[Sample],
+        *,
+        totals: tuple[float, float] | None = None,
+        micro_batches: int = 0,
+    ) -> dict[str, float]:
+        """One optimizer step over ``samples``; returns the step's statistics.
+
+        On a cluster each rank gets its shard of the batch: ``totals`` is the whole
+        batch's (trained tokens, sequences), so every rank's loss is normalised like
+        the full-batch loss, and ``micro_batches`` pads the shard with empty
+        micro-batches so that every rank runs the same number of backward passes (the
+        gradient all-reduce is collective)."""
         t0 = time.perf_counter()
         self.step_count += 1
         stats: dict[str, float] = {"samples": float(len(samples)), "skipped": 0.0}
         num_tokens = float(sum(sum(s.mask[1:]) for s in samples))
+        num_sequences = float(len(samples))
+        if totals is not None:
+            num_tokens, num_sequences = totals
+        if self.world_size > 1:
+            return self._step(samples, num_tokens, num_sequences, micro_batches, stats, t0)
         if not samples or num_tokens == 0:
             stats.update(skipped=1.0, loss=0.0, grad_norm=0.0, train_s=time.perf_counter() - t0)
             return stats
+        return self._step(samples, num_tokens, num_sequences, micro_batches, stats, t0)
+
+    def _step(
+        self,
+        samples: Sequence[Sample],
+        num_tokens: float,
+        num_sequences: float,
+        micro_batches: int,
+        stats: dict[str, float],
+        t0: float,
+    ) -> dict[str, float]:
+        distributed = self.world_size > 1
+        batches = list(self._micro_batches(samples))
+        while len(batches) < micro_batches:
+            batches.append(self._empty_batch())
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
         agg: dict[str, float] = {}
         entropy_sum = 0.0
         finite = True
-        for mb in self._micro_batches(samples):
+        for i, mb in enumerate(batches):
+            last = i == len(batches) - 1
             logprobs, entropy = self._logprobs(self.model, mb)
             ref = None
             if self.ref_model is not None and self.config.loss.kl_coef:
@@ -214,22 +289,24 @@ class Trainer:
                 mb["mask"],
                 config=self.config.loss,
                 ref_logprobs=ref,
-                num_tokens=num_tokens,
-                num_sequences=float(len(samples)),
+                num_tokens=max(num_tokens, 1.0),
+                num_sequences=max(num_sequences, 1.0),
             )
             if not torch.isfinite(loss):
                 finite = False
-                break
-            loss.backward()
+                if not distributed:  # ranks keep going: the all-reduce is collective
+                    break
+            with _no_sync(self.policy, enabled=distributed and not last):
+                (loss * self.world_size).backward()  # the wrapper averages over ranks
             total_loss += float(loss.detach())
-            w = mstats["tokens"] / num_tokens
+            w = mstats["tokens"] / max(num_tokens, 1.0)
             for k in ("ratio_mean", "clip_frac", "kl_old", "kl_ref"):
                 agg[k] = agg.get(k, 0.0) + mstats[k] * w
             entropy_sum += float((entropy * mb["mask"]).sum())
         grad_norm = float("nan")
-        if finite:
+        if finite or distributed:  # a rank's NaN reaches every rank's gradient norm
             grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grad_clip)
             )
             finite = math.isfinite(grad_norm)
         if finite:
@@ -242,11 +319,22 @@ class Trainer:
         stats.update(
             loss=total_loss if finite else float("nan"),
             grad_norm=grad_norm,
-            entropy=entropy_sum / num_tokens,
+            entropy=entropy_sum / max(num_tokens, 1.0),
             train_tokens=num_tokens,
             train_s=time.perf_counter() - t0,
         )
         return stats
+
+    def _empty_batch(self) -> dict[str, torch.Tensor]:
+        """A micro-batch with nothing to train on (padding on a rank with fewer samples)."""
+        z = torch.zeros(1, 2, device=self.device)
+        return {
+            "ids": torch.zeros(1, 2, dtype=torch.long, device=self.device),
+            "attn": torch.ones(1, 2, dtype=torch.long, device=self.device),
+            "mask": z[:, 1:],
+            "old": z[:, 1:],
+            "adv": torch.zeros(1, device=self.device),
+        }
 
     def sft_step(self, samples: Sequence[Sample], *, lr: float | None = None) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the masked tokens."""
@@ -289,8 +377,12 @@ class Trainer:
     def named_weights(
         self, dtype: torch.dtype = torch.bfloat16
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The current weights, by the Hugging Face names vLLM loads, cast for the sampler."""
-        for name, t in self.model.state_dict().items():
+        """The current weights, by the Hugging Face names vLLM loads, cast for the sampler
+        (adapters folded in, for a LoRA run)."""
+        from opencomposer.training.lora import is_lora, merged_state_dict
+
+        state = merged_state_dict(self.model) if is_lora(self.model) else self.model.state_dict()
+        for name, t in state.items():
             yield name, t.detach().to(dtype)
 
     def save(self, folder: Path, *, extra: dict[str, Any] | None = None) -> Path:
@@ -300,7 +392,15 @@ class Trainer:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-            self.model.save_pretrained(str(folder), safe_serialization=True)
+            from opencomposer.training.lora import is_lora, merged_state_dict, save_adapter
+
+            if is_lora(self.model):  # the merged model (loadable anywhere) and the adapter
+                self.model.save_pretrained(
+                    str(folder), state_dict=merged_state_dict(self.model), safe_serialization=True
+                )
+                save_adapter(self.model, folder)
+            else:
+                self.model.save_pretrained(str(folder), safe_serialization=True)
         else:
             torch.save(self.model.state_dict(), folder / "model.pt")
         if self.source_dir is not None:  # so that vLLM and the agent can load the folder
@@ -326,8 +426,13 @@ class Trainer:
         return folder
 
     def load(self, folder: Path) -> dict[str, Any]:
-        """Restore weights, optimizer, step and version from ``folder``; returns ``extra``."""
-        if (folder / "model.pt").exists():
+        """Restore weights, optimizer, step and version from ``folder``; returns ``extra``.
+        A LoRA run restores its adapters (the frozen base is the model it started from)."""
+        from opencomposer.training.lora import is_lora, load_adapter_state, read_adapter
+
+        if is_lora(self.model):
+            load_adapter_state(self.model, read_adapter(folder)[1])
+        elif (folder / "model.pt").exists():
             self.model.load_state_dict(torch.load(folder / "model.pt", map_location=self.device))
         else:
             from safetensors.torch import load_file
@@ -349,6 +454,29 @@ class Trainer:
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"])
         return dict(state.get("extra") or {})
+
+
+def _no_sync(module: torch.nn.Module, *, enabled: bool) -> Any:
+    """DDP's ``no_sync`` (accumulate without the all-reduce) where asked and offered;
+    FSDP2 modules toggle ``set_requires_gradient_sync`` instead."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    if hasattr(module, "no_sync"):
+        return module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):
+
+        @contextlib.contextmanager
+        def fsdp() -> Iterator[None]:
+            module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                module.set_requires_gradient_sync(True)
+
+        return fsdp()
+    return contextlib.nullcontext()
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
