@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 STAMP := .venv/.installed
 APT_PACKAGES := bubblewrap ripgrep neovim git tmux
 
-.PHONY: setup system-deps demo test test-slow lint format bench vsix clean
+.PHONY: setup system-deps demo test test-slow lint format bench vsix e2e-vscode clean
 
 NODE_STAMP := clients/vscode/node_modules/.package-lock.json
 
@@ -68,6 +68,14 @@ bench: setup
 vsix:
 	cd clients/vscode && npm ci --no-audit --no-fund && npm test && npm run package
 	@echo "built clients/vscode/opencomposer.vsix (code --install-extension clients/vscode/opencomposer.vsix)"
+
+# The VS Code extension in a real VS Code: code-server + Chromium (tests/e2e/vscode_e2e.js).
+# First run installs chromium, libkrb5-dev, code-server and puppeteer-core, cached under
+# ~/.cache/opencomposer/e2e; screenshots and figures go to build/e2e-vscode.
+E2E_OUT ?= build/e2e-vscode
+e2e-vscode: setup vsix
+	bash tests/e2e/setup.sh
+	node tests/e2e/vscode_e2e.js --out $(E2E_OUT) --metrics $(E2E_OUT)/metrics.json $(E2E_ARGS)
 
 clean:
 	rm -rf .venv build *.egg-info
