@@ -56,10 +56,16 @@ class Event:
 
 @dataclass(frozen=True, kw_only=True)
 class SessionStart(Event):
+    """The start of a request: the session's first (`request` 1), or a follow-up that
+    continues it (2, 3, …: same `session_id`, history kept, turns numbered on)."""
+
     type: ClassVar[str] = "session_start"
     session_id: str
     workspace: str
     model: str
+    request: int = 1
+    first_turn: int = local(1)  # the number of this request's first model turn
+    edits: int = local(0)  # edits the session made before this request
     started: float = local(0.0)  # wall-clock time at t = 0
     query: str = local("")
     sampling: dict[str, Any] = local(default_factory=dict)
@@ -145,10 +151,11 @@ class Message(Event):
 @dataclass(frozen=True, kw_only=True)
 class SessionEnd(Event):
     type: ClassVar[str] = "session_end"
-    status: str
-    turns: int
+    request: int  # the request that ended (see SessionStart)
+    status: str  # of this request
+    turns: int  # model turns and tool calls of the whole session so far
     tool_calls: int
-    duration_s: float
+    duration_s: float  # of this request
     trace: str
     answer: str = local("")
     error: str | None = local(None)
@@ -175,6 +182,11 @@ class Clock:
         self.start = time.monotonic()
         self.wall = time.time()
 
+    def rewind(self, wall: float) -> None:
+        """Put t = 0 at wall-clock time `wall` (a session continued in another process)."""
+        self.start -= self.wall - wall
+        self.wall = wall
+
     def now(self) -> float:
         return self.since(time.monotonic())
 
@@ -200,6 +212,13 @@ class TraceRecorder:
     def __call__(self, e: Event) -> None:
         store, sid = self.store, self.session_id
         match e:
+            case SessionStart() if e.request > 1:  # a follow-up: the same trace goes on
+                self.session_id, self.started, self.edits = e.session_id, e.started, e.edits
+                store.continue_session(e.session_id, workspace=Path(e.workspace))
+                meta = (store.get(e.session_id) or {}).get("meta") or {}
+                requests = meta.get("requests") or []
+                entry = {"request": e.request, "query": e.query, "turn": e.first_turn, "t": e.t}
+                store.set_meta(e.session_id, requests=[*requests, entry])
             case SessionStart():
                 self.session_id, self.started = e.session_id, e.started
                 store.start_session(
@@ -209,7 +228,13 @@ class TraceRecorder:
                     sampling=e.sampling,
                     query=e.query,
                 )
-                store.set_meta(e.session_id, prompt_style=e.prompt_style, tools=list(e.tools))
+                first = {"request": 1, "query": e.query, "turn": 1, "t": e.t}
+                store.set_meta(
+                    e.session_id,
+                    prompt_style=e.prompt_style,
+                    tools=list(e.tools),
+                    requests=[first],
+                )
             case ModelEnd(output=output) if output is not None:
                 store.write_turn(
                     sid,

@@ -17,6 +17,9 @@ What it fixes for every caller alike:
   need approval (`Session.needs_approval`); `approver` (a person, an editor) is
   asked only about those, and where there is none they are refused.
 - **traces**: with a `TraceStore`, the session is recorded like any other.
+- **follow-ups**: `history` (a finished session's `Session.history()`, or
+  `History.from_trace` of its trace) with that session's `session_id` continues
+  it: the new requests see the conversation so far and land in the same trace.
 
 What differs between callers is only what they are: the workspace (the disk, an
 editor's buffers, an episode's sandboxed copy), who approves, where events go.
@@ -27,7 +30,7 @@ from __future__ import annotations
 from opencomposer.agent.events import Event, Subscriber, ToolEnd
 from opencomposer.agent.indexing import IndexHandle
 from opencomposer.agent.protocols import Model
-from opencomposer.agent.session import Approver, Session, SessionConfig
+from opencomposer.agent.session import Approver, History, Session, SessionConfig
 from opencomposer.agent.traces import TraceStore
 from opencomposer.tools import specs
 from opencomposer.tools.protocols import Workspace
@@ -43,6 +46,7 @@ def open_session(
     on_event: Subscriber | None = None,
     approver: Approver | None = None,
     session_id: str | None = None,
+    history: History | None = None,
 ) -> Session:
     """A `Session` of `model` on `workspace` (see the module docstring)."""
     handle = index if index is not None else IndexHandle(workspace.root)
@@ -62,6 +66,7 @@ def open_session(
         traces=traces,
         index_factory=handle.get,
         session_id=session_id,
+        history=history,
     )
 
 

@@ -1,7 +1,15 @@
-"""The session loop: one user request, answered by a model through tool calls.
+"""The session loop: user requests, answered by a model through tool calls.
 
     session = Session(model=make_model("smollm2"), workspace=LocalWorkspace(root))
     result = await session.run("fix the failing test")
+    result = await session.run("now add a test for it")   # a follow-up, same session
+
+A session is a conversation: every `run` after the first is a follow-up that keeps
+the history (earlier requests, model turns, tool results and answers) and shrinks
+it to fit the context window as any long session does (`_fit_context`). Turns
+number on across requests, so the trace of a session holds all of them. Another
+process (a restarted server) continues a session from its trace:
+`Session(..., history=History.from_trace(store.export(id)))`.
 
 Each turn streams the model's reply through the XML parser; every call starts the
 moment its closing tag arrives (`Executor`), and the turn's results go back in one
@@ -34,7 +42,14 @@ from opencomposer.agent.traces import TraceStore
 from opencomposer.agent.xmlcalls import StreamParser, without_calls
 from opencomposer.tools import specs
 from opencomposer.tools.output import cap
-from opencomposer.tools.protocols import Edit, Index, SandboxConfig, ToolContext, Workspace
+from opencomposer.tools.protocols import (
+    Edit,
+    Index,
+    SandboxConfig,
+    ToolContext,
+    ToolResult,
+    Workspace,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +84,68 @@ class TurnRecord:
     calls: list[CallRecord]
     t_start: float  # the session's clock (`events.Clock`)
     t_end: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class History:
+    """What a follow-up continues: the conversation so far and the session's counts.
+
+    `messages` ends with the last request's answer (or wherever that request
+    stopped); `turns` and `tool_calls` count the whole session, so a follow-up's
+    turns and call ids number on; `started` is the wall-clock time of the session's
+    t = 0, so all its requests share one time line."""
+
+    messages: tuple[Message, ...]
+    requests: int
+    turns: int
+    tool_calls: int
+    edits: int
+    started: float
+
+    @classmethod
+    def from_trace(cls, trace: dict[str, Any]) -> History:
+        """A session's history as `TraceStore.export` kept it: the last turn's prompt
+        and its reply (and that turn's tool results, when it stopped before answering)."""
+        turns = trace.get("turns") or []
+        messages: list[Message] = []
+        if turns:
+            last = turns[-1]
+            for m in last["messages"]:
+                results = m["role"] == "user" and m["content"].startswith("<tool_result")
+                kind: Literal["text", "tool_results"] = "tool_results" if results else "text"
+                messages.append(Message(role=m["role"], content=m["content"], kind=kind))
+            messages.append(Message(role="assistant", content=last["text"] or ""))
+            calls = [c for c in trace.get("tool_calls") or [] if c["turn"] == last["turn"]]
+            if calls:
+                records = [
+                    CallRecord(
+                        call_id=c["call_id"],
+                        turn=c["turn"],
+                        index=c["idx"],
+                        name=c["name"],
+                        args=c["args"],
+                        result=ToolResult(status=c["status"], output=c["result"] or ""),
+                    )
+                    for c in calls
+                ]
+                messages.append(
+                    Message(role="user", content=format_results(records), kind="tool_results")
+                )
+        else:
+            style = (trace.get("meta") or {}).get("prompt_style") or "full"
+            messages = [
+                Message(role="system", content=system_prompt(style=style)),
+                Message(role="user", content=trace.get("query") or ""),
+            ]
+        requests = (trace.get("meta") or {}).get("requests") or [{}]
+        return cls(
+            messages=tuple(messages),
+            requests=len(requests),
+            turns=max((t["turn"] for t in turns), default=0),
+            tool_calls=len(trace.get("tool_calls") or []),
+            edits=max((e["seq"] for e in trace.get("edits") or []), default=0),
+            started=float(trace.get("started") or 0.0),
+        )
 
 
 @dataclass(kw_only=True)
@@ -106,6 +183,7 @@ class Session:
         index_factory: Callable[[], Awaitable[Index]] | None = None,
         on_file_changed: Callable[[str], None] | None = None,
         session_id: str | None = None,
+        history: History | None = None,
     ):
         self.model = model
         self.workspace = workspace
@@ -127,12 +205,23 @@ class Session:
         self.messages: list[Message] = []
         self.turns: list[TurnRecord] = []
         self.edits: list[Edit] = []
+        self.requests = 0  # requests run so far (the first, then follow-ups)
+        self.turn_count = 0  # model turns over all requests: turn numbers go on across them
         self.tool_calls = 0
+        self.edit_count = 0
         self.completion_tokens = 0
+        self._request_index = 1  # where in `messages` the current request stands
+        self._request_t = 0.0  # `t` at the current request's start
+        if history is not None:
+            self.messages = list(history.messages)
+            self.requests, self.turn_count = history.requests, history.turns
+            self.tool_calls, self.edit_count = history.tool_calls, history.edits
+            self.clock.rewind(history.started)
         self._always: set[str] = set()
         self._approval_lock = asyncio.Lock()
         self._task: asyncio.Task[Any] | None = None
         self._cancel_reason: str | None = None
+        self._running = False
 
     # -- public -----------------------------------------------------------------
 
@@ -144,16 +233,41 @@ class Session:
             style = getattr(self.model, "prompt_style", None) or "full"
         return style
 
+    @property
+    def running(self) -> bool:
+        """A request is in progress (a follow-up must wait for its end)."""
+        return self._running
+
+    def history(self) -> History:
+        """The conversation so far, for a follow-up on another `Session` object."""
+        return History(
+            messages=tuple(self.messages),
+            requests=self.requests,
+            turns=self.turn_count,
+            tool_calls=self.tool_calls,
+            edits=self.edit_count,
+            started=self.clock.wall,
+        )
+
     async def run(self, query: str, context: str | None = None) -> SessionResult:
-        self._task = asyncio.current_task()
+        """Answer `query`; called again once it returned, a follow-up in the same session."""
+        if self.running:
+            raise RuntimeError(f"session {self.id} is still running")
         query, context = valid_text(query), context and valid_text(context)
-        self.messages = [
-            Message(role="system", content=system_prompt(style=self.prompt_style)),
-            Message(role="user", content=user_message(query, context)),
-        ]
+        self._task, self._cancel_reason, self._running = asyncio.current_task(), None, True
+        self.requests += 1
+        self._request_t = self.clock.now()
+        self.turns, self.edits, self.completion_tokens = [], [], 0
+        if not self.messages:
+            self.messages = [Message(role="system", content=system_prompt(style=self.prompt_style))]
+        self.messages.append(Message(role="user", content=user_message(query, context)))
+        self._request_index = len(self.messages) - 1
         self.emit(
             ev.SessionStart,
             session_id=self.id,
+            request=self.requests,
+            first_turn=self.turn_count + 1,
+            edits=self.edit_count,
             workspace=str(self.workspace.root),
             model=self.model.name,
             started=self.clock.wall,
@@ -192,8 +306,9 @@ class Session:
     # -- the loop ---------------------------------------------------------------
 
     async def _loop(self) -> str:
-        for turn in range(1, self.config.max_turns + 1):
-            record = await self._turn(turn)
+        for _ in range(self.config.max_turns):
+            self.turn_count += 1
+            record = await self._turn(self.turn_count)
             if record.output.finish_reason == "repetition":  # stopped by the stream's guard
                 raise _End(
                     "repetition",
@@ -201,6 +316,7 @@ class Session:
                     f"{len(record.output.text)} characters",
                 )
             if not record.calls:
+                self.messages.append(Message(role="assistant", content=record.output.text))
                 return record.output.text.strip()
             self.messages.append(Message(role="assistant", content=record.output.text))
             self.messages.append(
@@ -277,6 +393,7 @@ class Session:
         assert result is not None
         for e in result.edits:
             self.edits.append(e)
+            self.edit_count += 1
             self.emit(ev.Edit, path=e.path, diff=e.diff, call_id=rec.call_id, turn=rec.turn, before=e.before, after=e.after)  # fmt: skip
         self.emit(
             ev.ToolEnd,
@@ -333,7 +450,8 @@ class Session:
 
     def _fit_context(self) -> Sampling:
         """Shrink older tool output (then older replies) until the prompt fits; the
-        system prompt and the user's request are never touched."""
+        system prompt and the current request are never touched (earlier requests of
+        the session may be shrunk like the replies around them)."""
         sampling = self.config.sampling
         window = self.model.context_window
         reserve = min(sampling.max_tokens, max(256, window // 4))
@@ -341,13 +459,18 @@ class Session:
         count = self.model.count_tokens
         sizes = [count(m.content) for m in self.messages]
         if sum(sizes) > budget:
-            protected = {0, 1}
+            protected = {0, self._request_index}
             last = len(self.messages) - 1
             order = [
                 i for i, m in enumerate(self.messages) if m.kind == "tool_results" and i != last
             ]
             order += [
                 i for i, m in enumerate(self.messages) if m.role == "assistant" and i < last - 1
+            ]
+            order += [
+                i
+                for i, m in enumerate(self.messages)
+                if m.role == "user" and m.kind == "text" and 0 < i < self._request_index
             ]
             order += [last] if last not in protected else []
             for limit in (2_000, 300):
@@ -360,6 +483,8 @@ class Session:
                             role=m.role, content=_shrink(m.content, limit), kind=m.kind
                         )
                         sizes[i] = count(self.messages[i].content)
+            if sum(sizes) > budget and self._request_index > 1:
+                sizes = self._drop_oldest(sizes, budget)
             if sum(sizes) > budget:
                 raise _End(
                     "context_full", f"the request does not fit the {window}-token context window"
@@ -368,6 +493,22 @@ class Session:
         if room < sampling.max_tokens:
             sampling = Sampling(**(vars(sampling) | {"max_tokens": max(16, room)}))
         return sampling
+
+    def _drop_oldest(self, sizes: list[int], budget: int) -> list[int]:
+        """Still too long after shrinking: earlier requests' messages go, oldest first,
+        replaced by one note, until the rest fits (the current request stays whole)."""
+        count, start = self.model.count_tokens, self._request_index
+        drop = 1
+        while drop < start:
+            dropped = self.messages[1:drop]
+            note = f"[{len(dropped)} earlier messages of this session elided to fit the context window]"
+            if sizes[0] + count(note) + sum(sizes[drop:]) <= budget:
+                break
+            drop += 1
+        note = f"[{drop - 1} earlier messages of this session elided to fit the context window]"
+        self.messages[1:drop] = [Message(role="user", content=note)]
+        self._request_index = start - drop + 2
+        return [count(m.content) for m in self.messages]
 
     # -- events and the end -------------------------------------------------------
 
@@ -382,15 +523,17 @@ class Session:
                 log.exception("a subscriber of session %s failed on %s", self.id, kind.type)
 
     def _finish(self, status: str, answer: str, error: str | None) -> SessionResult:
+        self._running = False
         trace = self.traces.ref(self.id) if self.traces else ""
-        duration = self.clock.now()
+        duration = round(self.clock.now() - self._request_t, 4)
         if error:
             note = f"[{status}] {error}"
-            self.emit(ev.Message, turn=len(self.turns), text=note, prose=note)
+            self.emit(ev.Message, turn=self.turn_count, text=note, prose=note)
         self.emit(
             ev.SessionEnd,
+            request=self.requests,
             status=status,
-            turns=len(self.turns),
+            turns=self.turn_count,
             tool_calls=self.tool_calls,
             duration_s=duration,
             trace=trace,

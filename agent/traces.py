@@ -275,6 +275,16 @@ class TraceStore:
             ),
         )
 
+    def continue_session(self, session_id: str, *, workspace: Path) -> None:
+        """A follow-up request in a finished session: running again, owned by this
+        process, its text redacted as at its start (the workspace's secrets)."""
+        self._redactors[session_id] = Redactor.for_workspace(workspace)
+        pid = os.getpid()
+        self._exec(
+            "UPDATE sessions SET status='running', ended=NULL, pid=?, owner=? WHERE id=?",
+            (pid, _owner(pid), session_id),
+        )
+
     def write_turn(
         self,
         session_id: str,

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ from pygls.uris import to_fs_path
 if TYPE_CHECKING:
     from opencomposer.agent.executor import Approval
     from opencomposer.agent.protocols import Model
-    from opencomposer.agent.session import Session
+    from opencomposer.agent.session import History, Session
     from opencomposer.agent.traces import TraceStore
     from opencomposer.tools.protocols import Edit
 
@@ -71,6 +72,7 @@ ACTION_RUN, ACTION_ALWAYS, ACTION_REJECT = "Run", "Always for this command", "Re
 SERVER_ERROR = -32000  # a command that could not be carried out (unknown session, model failure…)
 INDEX_MAX_BUFFER = 8 * 1024 * 1024  # larger buffers are not fed to the index
 CANCEL_WAIT_S = 5.0
+HISTORIES_KEPT = 256  # finished sessions continued from memory; older ones from their trace
 
 
 def server_error(message: str) -> JsonRpcException:
@@ -111,6 +113,13 @@ class Shared:
         self.indexes: dict[Path, IndexHandle] = {}
         self.records: dict[str, Record] = {}
         self.running: dict[str, Running] = {}
+        self.histories: OrderedDict[str, History] = OrderedDict()
+
+    def keep_history(self, session_id: str, history: History) -> None:
+        self.histories[session_id] = history
+        self.histories.move_to_end(session_id)
+        while len(self.histories) > HISTORIES_KEPT:
+            self.histories.popitem(last=False)
 
     async def model(self, spec: str) -> Model:
         if spec in self._models:
@@ -523,13 +532,39 @@ class ComposerServer(LanguageServer):
         )
         running.progress = token
 
+    def _history(self, session_id: str, root: Path) -> tuple[str, History]:
+        """The finished session a follow-up continues: from memory, else its trace."""
+        from opencomposer.agent.session import History
+
+        if session_id in self.shared.running:
+            raise server_error(f"session {session_id} is still running")
+        if session_id in self.shared.histories:
+            return session_id, self.shared.histories[session_id]
+        store = self.shared.traces()
+        try:
+            full = store.resolve(session_id)
+            trace = store.export(full)
+        except KeyError as e:
+            raise server_error(f"cannot continue: {e.args[0] if e.args else e}") from None
+        if full in self.shared.running or trace["status"] == "running":
+            raise server_error(f"session {full} is still running")
+        if Path(trace["workspace"]) != root:
+            raise server_error(f"session {full} ran in {trace['workspace']}, not in this workspace")
+        return full, History.from_trace(trace)
+
     async def cmd_ask(self, args: cmds.AskArgs) -> dict[str, Any]:
         from opencomposer.agent.factory import open_session
         from opencomposer.agent.session import SessionConfig
 
         root = self._require_root()
+        if args.session_id:
+            self._history(args.session_id, root)  # fail fast, before loading a model
         model = await self.shared.model(args.model or self.model_spec)
-        session_id = uuid.uuid4().hex[:12]
+        history = None
+        if args.session_id:  # again: the model load awaited, another ask may have started it
+            session_id, history = self._history(args.session_id, root)
+        else:
+            session_id = uuid.uuid4().hex[:12]
         workspace = EditorWorkspace(root, self.buffers, self.editor_link())
         session = open_session(
             model=model,
@@ -543,6 +578,7 @@ class ComposerServer(LanguageServer):
             traces=self.shared.traces(),
             index=self.shared.index(root),
             session_id=session_id,
+            history=history,
         )
         task = asyncio.ensure_future(session.run(args.query, context=self._context(args)))
         running = Running(session=session, task=task, owner=self, msg_id=self.protocol.msg_id)
@@ -563,9 +599,8 @@ class ComposerServer(LanguageServer):
                 self.work_done_progress.end(
                     running.progress, lsp.WorkDoneProgressEnd(message=_ended(task))
                 )
-        self.shared.records[session_id] = Record(
-            session_id=session_id, root=root, edits=list(result.edits)
-        )
+        self.shared.keep_history(session_id, session.history())
+        self._add_edits(session_id, root, result.edits, follow_up=history is not None)
         if running.by_request:
             data = {"session_id": session_id, "status": result.status}
             raise JsonRpcRequestCancelled(message=f"session {session_id} cancelled", data=data)
@@ -618,12 +653,27 @@ class ComposerServer(LanguageServer):
             for h in hits
         ]
 
+    def _add_edits(self, session_id: str, root: Path, edits: list[Edit], follow_up: bool) -> None:
+        """A session's edits over all its requests: undo and reject cover the session."""
+        record = self.shared.records.get(session_id)
+        if record is None and follow_up:
+            try:
+                record = self._record_from_trace(session_id)
+                # the trace holds this request's edits too: keep the earlier ones
+                record.edits = record.edits[: len(record.edits) - len(edits)]
+            except JsonRpcException:
+                record = None
+        if record is None:
+            record = Record(session_id=session_id, root=root)
+        record.edits.extend(edits)
+        self.shared.records[session_id] = record
+
     def _record(self, session_id: str) -> Record:
+        if session_id in self.shared.running:
+            raise server_error(f"session {session_id} is still running; cancel it first")
         record = self.shared.records.get(session_id)
         if record is not None:
             return record
-        if session_id in self.shared.running:
-            raise server_error(f"session {session_id} is still running; cancel it first")
         return self._record_from_trace(session_id)
 
     def _record_from_trace(self, session_id: str) -> Record:

@@ -54,6 +54,7 @@ class AskArgs:
     # the client's own setting: file changes run without a question under `safe`,
     # since each lands as an editor edit the user can accept, reject or undo
     auto_apply_edits: bool = False
+    session_id: str | None = None  # a finished session to continue (a follow-up)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +184,7 @@ def parse(command: str, arguments: Any) -> Any:
                 "reveal",
                 "prompt",
                 "auto_apply_edits",
+                "session_id",
             ),
         )
         files = o.data.get("open_files") or []
@@ -197,6 +199,7 @@ def parse(command: str, arguments: Any) -> Any:
             approve=o.choice("approve", POLICIES, "safe"),
             reveal=o.flag("reveal"),
             auto_apply_edits=o.flag("auto_apply_edits"),
+            session_id=o.text("session_id", nonempty=True),
         )
     if command == CANCEL:
         o = _Obj(command, arguments, ("session_id",))
