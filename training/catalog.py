@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from opencomposer.training import mining, starter
+from opencomposer.training import corpus, mining, starter
 from opencomposer.training.tasks import TASK_FILE, Task, TaskError, load_task
 
 SUITES = Path(__file__).parent / "suites"  # suites committed with the code
@@ -22,7 +22,9 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
 
     Built-in names: `starter` (also `starter:train`, `starter:heldout`), generated
     deterministically by `training/starter.py` into the cache; `own`, mined from this
-    repository by `training/mining.py` into the cache on first use; the folders under
+    repository by `training/mining.py` into the cache on first use; `corpus` (also
+    `corpus:train`, `corpus:heldout`), the built task corpus (`training/corpus.py`,
+    ``$OPENCOMPOSER_CORPUS``), exported into the cache once per build; the folders under
     `training/suites/` (e.g. `pypi`, tasks mined from PyPI libraries). Anything else is
     a folder of task folders (or one task folder).
     """
@@ -32,6 +34,8 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
         tasks = [load_task(p) for p in starter.ensure_suite()]
     elif base == "own" and not Path(name).exists():
         tasks = [load_task(p) for p in mining.ensure_own_suite()]
+    elif base == "corpus" and not Path(name).exists():
+        tasks = [load_task(p) for p in corpus.ensure_export()]
     else:
         d = Path(name_or_dir)
         builtin = SUITES / name
@@ -39,7 +43,9 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
             d = builtin  # a suite committed under training/suites/
         split = ""
         if not d.is_dir():
-            raise TaskError(f"no task suite {name!r}: not a folder, nor one of: own, starter")
+            raise TaskError(
+                f"no task suite {name!r}: not a folder, nor one of: corpus, own, starter"
+            )
         if (d / TASK_FILE).is_file():
             return [load_task(d)]
         dirs = sorted(p for p in d.iterdir() if (p / TASK_FILE).is_file())

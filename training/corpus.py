@@ -1318,11 +1318,54 @@ def export(
             "kind": row["kind"],
             "query_kind": kind,
             "functions": row["functions"],
+            "failing": row.get("failing", []),
             "edits": _solution_edits(snapshot, row["edits"]),
         }
         (dest / "solution.json").write_text(json.dumps(solution, indent=1) + "\n")
         made.append(dest)
     return made
+
+
+def default_corpus() -> Path:
+    """Where `opencomposer tasks build-corpus` output is looked for by suite name
+    (``corpus``, ``corpus:train``, ``corpus:heldout``): ``$OPENCOMPOSER_CORPUS``,
+    else ``~/.cache/opencomposer/corpus``."""
+    env = os.environ.get("OPENCOMPOSER_CORPUS")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "opencomposer" / "corpus"
+
+
+def ensure_export(corpus: Path | str | None = None) -> list[Path]:
+    """The built corpus as plain task folders (every split, mixed requests), exported
+    once into the cache under a name that changes whenever a project is rebuilt."""
+    src = Path(corpus).expanduser() if corpus else default_corpus()
+    projects = src / "projects"
+    if not projects.is_dir():
+        raise CorpusError(
+            f"no built corpus at {src}: run `opencomposer tasks build-corpus --out {src}` "
+            "(or set OPENCOMPOSER_CORPUS)"
+        )
+    h = hashlib.sha256(str(src.resolve()).encode())
+    for d in sorted(p for p in projects.iterdir() if p.is_dir()):
+        rec = _read_record(d)
+        if rec and rec.get("status") == "built":
+            h.update(f"{d.name}:{rec.get('key')}:{rec.get('tasks')}".encode())
+    dest = Path.home() / ".cache" / "opencomposer" / "suites" / f"corpus-{h.hexdigest()[:12]}"
+    marker = dest / ".complete"
+    if not marker.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        try:
+            export(src, tmp)
+            marker_tmp = tmp / ".complete"
+            marker_tmp.write_text(str(src))
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return sorted(p for p in dest.iterdir() if (p / "task.toml").is_file())
 
 
 def _solution_edits(snapshot: Path, edits: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,16 +24,28 @@ Held-out tasks are refused (``DemoError``): their solutions are never read.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import difflib
+import hashlib
 import json
+import random
 import re
+import shlex
+import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opencomposer.tools.specs import EDIT_FILE, GREP, READ_FILE, render_call
+from opencomposer.tools.specs import (
+    CODEBASE_SEARCH,
+    EDIT_FILE,
+    GREP,
+    READ_FILE,
+    RUN_TERMINAL,
+    render_call,
+)
 from opencomposer.training.sessions import demo_session_config
 
 SOLUTION = "solution.json"
@@ -118,7 +130,11 @@ def line_edits(path: str, old: str, new: str) -> list[tuple[str, str]]:
 
 
 def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
-    """The assistant turns of a short demonstration: look, then edit, then answer."""
+    """The assistant turns of a short demonstration: look, then edit, then answer.
+    A corpus task (its solution names the buggy ``functions``) gets an engineer's
+    session instead: `expert_turns`."""
+    if solution.get("functions"):
+        return expert_turns(task, solution)
     query: str = task.query
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     answer = str(solution.get("answer", "")).strip() or "Done."
@@ -150,6 +166,197 @@ def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
                 calls += [_edit_call(path, o, n) for o, n in line_edits(path, old, new)]
         turns.append("\n".join(calls))
     turns.append(answer)
+    return turns
+
+
+# ---------------------------------------------------------------- an engineer's session
+
+# The pytest options the verify command adds for the harness; a person leaves them out.
+_HARNESS_OPTS = ("-q", "-p", "no:cacheprovider", "no:xdist", "no:randomly")
+
+
+def reproduce_command(task: Any, solution: dict[str, Any], *, whole_files: bool) -> str:
+    """The command an engineer types to see the failure: plain ``python -m pytest``
+    (the workspace's conftest puts its paths on sys.path) with the project's own
+    options, short tracebacks and ``-x``, on the first failing test, or on the test
+    files the task protects when ``whole_files`` (or when the failing ids are unknown)."""
+    words = shlex.split(task.verify)
+    try:
+        at = words.index("pytest")
+    except ValueError:
+        return task.verify
+    protect = set(getattr(task, "protect", ()) or ())
+    own = [w for w in words[at + 1 :] if w not in protect]
+    keep, skip = [], False
+    for w in own:
+        if skip:
+            skip = False
+            continue
+        if w == "-p":
+            skip = True  # with its plugin name
+            continue
+        if w not in _HARNESS_OPTS:
+            keep.append(w)
+    failing = [str(f) for f in solution.get("failing", []) if isinstance(f, str)]
+    targets = sorted(protect) if whole_files or not failing else failing[:1]
+    return " ".join(
+        shlex.quote(w)
+        for w in ["python", "-m", "pytest", "-x", "-q", "--tb=short", *keep, *targets]
+    )
+
+
+def function_lines(task: Any, path: str, line: int, *, most: int = 60) -> tuple[int, int]:
+    """The lines of the innermost function around ``line`` in the task's (broken)
+    workspace file, at most ``most`` of them centred on ``line``; a window of
+    ``most`` lines when the file does not parse."""
+    start, end = max(1, line - most // 2), line + most // 2
+    try:
+        with tarfile.open(task.repo_tar) as tar:
+            member = tar.extractfile(path)
+            text = member.read().decode("utf-8") if member else ""
+        tree = ast.parse(text)
+    except (OSError, KeyError, tarfile.TarError, SyntaxError, UnicodeDecodeError, ValueError):
+        return start, end
+    best: tuple[int, int] | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lo = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            hi = node.end_lineno or node.lineno
+            if lo <= line <= hi and (best is None or hi - lo < best[1] - best[0]):
+                best = (lo, hi)
+    if best is None:
+        return start, end
+    lo, hi = best
+    if hi - lo + 1 > most:
+        lo, hi = max(lo, line - most // 2), min(hi, line + most // 2)
+    return lo, hi
+
+
+# The bug kinds of `training/mining.py`, as a reviewer would name them.
+_KIND_PHRASES = {
+    "flipped comparison": "a flipped comparison",
+    "off-by-one bound": "an off-by-one bound",
+    "off-by-one index": "an off-by-one index",
+    "wrong operator": "a wrong operator",
+    "dropped factor": "a dropped factor",
+    "changed constant": "a changed constant",
+    "dropped call": "a dropped call",
+    "dropped branch": "a dropped branch",
+    "dropped return": "a dropped return",
+    "wrong return value": "a wrong return value",
+    "and/or swapped": "an `and`/`or` mix-up",
+    "dropped negation": "a dropped `not`",
+    "negated condition": "a negated condition",
+    "swapped arguments": "swapped arguments",
+    "wrong variable": "a wrong variable",
+}
+
+
+def _kind_words(kind: str) -> str:
+    parts = kind.removeprefix("two-site: ").split(" + ")
+    return " and ".join(_KIND_PHRASES.get(p, f"a bug ({p})") for p in parts)
+
+
+def _locate_pattern(function: str) -> str:
+    """A grep pattern for a function's definition; a dunder method is found by its class."""
+    parts = function.split(".")
+    name = parts[-1]
+    if name.startswith("__") and name.endswith("__") and len(parts) > 1:
+        return rf"class {parts[-2]}\b"
+    return rf"def {name}\b"
+
+
+def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
+    """What a good engineer does with a failing test, as assistant turns: reproduce
+    it with ``run_terminal``, locate the function (``grep`` for its definition,
+    ``codebase_search``, or a direct read when the request names the file), read it,
+    fix it with ``edit_file``, run the test again, and answer in a sentence or two.
+    Independent calls share a message, so the policy learns to batch them; the
+    order, the tools and the wording vary with the task's id (seeded), so it does
+    not learn one fixed script."""
+    rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
+    edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
+    functions = [str(f) for f in solution.get("functions", [])]
+    kind = str(solution.get("kind", "bug"))
+    query: str = task.query
+    repro = reproduce_command(task, solution, whole_files=rng.random() < 0.3)
+    run = render_call(RUN_TERMINAL, command=repro)
+    # The functions are in (path, offset) order, the edits in the order they apply.
+    ordered = sorted(edits, key=lambda e: (str(e["path"]), int(e.get("line", 1))))
+    names = functions if len(functions) == len(ordered) else functions[:1] * len(ordered)
+    sites = [
+        (str(e["path"]), f, int(e.get("line", 1))) for e, f in zip(ordered, names, strict=True)
+    ]
+    defs = list(dict.fromkeys(f.rsplit(".", 1)[-1] for _, f, _ in sites))
+    patterns = list(dict.fromkeys(_locate_pattern(f) for _, f, _ in sites))
+    reads = []
+    for path, _, line in dict.fromkeys(sites):
+        lo, hi = function_lines(task, path, line)
+        reads.append(render_call(READ_FILE, path=path, start_line=lo, end_line=hi))
+    reads = list(dict.fromkeys(reads))
+    greps = [render_call(GREP, pattern=p, glob="*.py") for p in patterns]
+    named = all(path in query for path, _, _ in sites)
+    turns: list[str] = []
+    style = rng.random()
+    if named and style < 0.5:
+        # The request names the file: reproduce and read it at once.
+        turns.append(
+            rng.choice(
+                [
+                    "Let me run the failing test and read the code.",
+                    "Reproducing first, and reading the function meanwhile.",
+                ]
+            )
+            + "\n"
+            + "\n".join([run, *reads])
+        )
+    elif style < 0.75:
+        turns.append(
+            rng.choice(
+                [
+                    "First, reproduce the failure and find the function.",
+                    "Let me run the test and locate the code.",
+                ]
+            )
+            + "\n"
+            + "\n".join([run, *greps])
+        )
+        turns.append(
+            rng.choice(["Reading the function.", "Let me read it."]) + "\n" + "\n".join(reads)
+        )
+    elif style < 0.9:
+        search = render_call(CODEBASE_SEARCH, query=" ".join(defs))
+        turns.append(
+            "Let me reproduce the failure and search for the code.\n" + "\n".join([run, search])
+        )
+        turns.append("Reading the function.\n" + "\n".join(reads))
+    else:
+        turns.append("Let me reproduce the failure first.\n" + run)
+        turns.append("Now find where it is defined.\n" + "\n".join(greps))
+        turns.append("\n".join(reads))
+    calls = [_edit_call(str(e["path"]), str(e["old"]), str(e["new"])) for e in edits]
+    lines = ", ".join(f"line {line}" for _, _, line in sites)
+    turns.append(
+        rng.choice(
+            [
+                f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
+                f"Found it: {_kind_words(kind)}. Fixing {lines}.",
+            ]
+        )
+        + "\n"
+        + "\n".join(calls)
+    )
+    turns.append(rng.choice(["Running the test again.", "Checking the fix."]) + "\n" + run)
+    where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
+    turns.append(
+        rng.choice(
+            [
+                f"Fixed {_kind_words(kind)} in {where}; the failing test passes now.",
+                f"The bug was {_kind_words(kind)} in {where}. I fixed it and the test passes.",
+                f"{where}: fixed {_kind_words(kind)}. The tests that failed pass again.",
+            ]
+        )
+    )
     return turns
 
 

@@ -25,6 +25,7 @@ import pytest
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training import corpus
 from opencomposer.training.catalog import load_suite
+from opencomposer.training.demos import demo_turns, reproduce_command
 from opencomposer.training.env import run_command
 from opencomposer.training.tasks import TaskError, safe_extract
 
@@ -137,7 +138,7 @@ def _fix(ws: Path, edits: list[dict]) -> None:
 
 
 @needs_bwrap
-def test_build_export_verify_resume(tmp_path: Path) -> None:
+def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     repo, commit = _project(tmp_path)
     manifest = corpus.load_manifest(
         _manifest(
@@ -205,6 +206,31 @@ def test_build_export_verify_resume(tmp_path: Path) -> None:
         plain = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -q tests/test_core.py"
         assert asyncio.run(_run(plain, ws)) == 0, task.id
     assert corpus.export(out, tmp_path / "none", split="train") == []
+
+    # The engineer's demonstration: its reproduce command fails before the fix and
+    # passes after it, run plainly in the workspace (as run_terminal would).
+    for task in checked:
+        sol = sols[task.id]
+        assert sol["failing"] and all("::" in f for f in sol["failing"])
+        turns = demo_turns(task, sol)
+        assert turns[-1] and "<" not in turns[-1]  # a plain answer ends it
+        for whole in (False, True):
+            cmd = reproduce_command(task, sol, whole_files=whole)
+            assert "PYTHONPATH" not in cmd and cmd.startswith("python -m pytest -x")
+            ws = tmp_path / "demo" / f"{task.id}-{whole}"
+            safe_extract(task.repo_tar, ws)
+            assert asyncio.run(_run(cmd, ws)) != 0, cmd
+            _fix(ws, sol["edits"])
+            assert asyncio.run(_run(cmd, ws)) == 0, cmd
+
+    # By suite name: the corpus exported once into the cache, split as built.
+    monkeypatch.setenv("OPENCOMPOSER_CORPUS", str(out))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    named = load_suite("corpus:heldout")
+    assert sorted(t.id for t in named) == sorted(t.id for t in suite)
+    assert load_suite("corpus:train") == []
+    first = corpus.ensure_export()
+    assert corpus.ensure_export() == first  # cached: not exported again
 
     # Resume: a built project is not built again.
     stamp = (out / "projects" / "tinylib" / "project.json").stat().st_mtime_ns
