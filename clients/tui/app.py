@@ -5,6 +5,10 @@ speaks only LSP to it (`link.ServerLink`), so every behaviour is the server's an
 TUI stays thin: it draws the event stream, applies edits the server sends, asks the
 user for approvals, and calls the `opencomposer.*` commands of `docs/lsp.md`.
 
+A request continues the current session (a follow-up: the agent keeps the history,
+docs/lsp.md "Follow-ups"); ctrl+s, the "New session" command or typing `/new` starts
+a fresh one.
+
 Run it:  opencomposer tui --workspace DIR --model scripted:turns.json
 or:      python -m opencomposer.clients.tui.app --workspace DIR --model smollm2
 """
@@ -47,6 +51,9 @@ from textual.theme import Theme
 from textual.widget import AwaitMount
 from textual.widgets import Footer, Static
 
+NEW_COMMAND = "/new"  # typed in the prompt: a new session (with a request after it, for that)
+NEW_NOTE = "■ new session: the next request starts without the history above"
+
 # One timer paces everything the transcript animates: server events are drawn, streamed
 # text is flushed and spinners advance together, once per tick. Between ticks the
 # transcript has nothing to repaint, so a key press costs one small frame; a tick costs
@@ -62,7 +69,8 @@ class SessionView:
     """What the app tracks about the running (or last) session."""
 
     query: str
-    session_id: str | None = None
+    session_id: str | None = None  # set from the start for a follow-up
+    request: int = 1  # 2, 3, … for follow-ups in the same session
     turn: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -150,6 +158,7 @@ class OpenComposerApp(App[int]):
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+f", "search", "Search"),
         Binding("ctrl+o", "sessions", "Sessions"),
+        Binding("ctrl+s", "new_session", "New session"),
         Binding("ctrl+n", "next_edit", "Next edit"),
         Binding("ctrl+g", "undo", "Undo edits"),
         Binding("ctrl+r", "restart", "Restart server"),
@@ -183,6 +192,8 @@ class OpenComposerApp(App[int]):
         self.link: ServerLink | None = None
         self.connected = False
         self.session: SessionView | None = None
+        # the session a request continues (None: the next request starts a new one)
+        self.conversation: str | None = None
         self.sessions_seen: list[str] = []
         self.log_lines: list[Text] = []
         self.server_error: str | None = None
@@ -248,6 +259,11 @@ class OpenComposerApp(App[int]):
         yield SystemCommand("Codebase search", "Search the index (ctrl+f)", self.action_search)
         yield SystemCommand(
             "Sessions", "Browse traces, submit as training query (ctrl+o)", self.action_sessions
+        )
+        yield SystemCommand(
+            "New session",
+            "The next request starts a new session, without this one's history (ctrl+s, /new)",
+            self.action_new_session,
         )
         yield SystemCommand("Cancel session", "Stop the running session (esc)", self.action_cancel)
         yield SystemCommand(
@@ -400,6 +416,12 @@ class OpenComposerApp(App[int]):
     @on(PromptInput.Submitted)
     def submitted(self, message: PromptInput.Submitted) -> None:
         text = message.text.strip()
+        if text == NEW_COMMAND or text.startswith(NEW_COMMAND + " "):
+            if not self.action_new_session():
+                return
+            text = text[len(NEW_COMMAND) :].strip()
+            if not text:
+                return
         if not text:
             self.notify("Type a request first.", severity="warning")
             return
@@ -411,7 +433,7 @@ class OpenComposerApp(App[int]):
         if self.session is not None and self.session.ended is None:
             self.notify("A session is running; esc cancels it.", severity="warning")
             return
-        self.session = SessionView(query=text)
+        self.session = SessionView(query=text, session_id=self.conversation)
         self._mount(UserEntry(text))
         self._set_state("thinking")
         self.ask(self.session, text)
@@ -426,6 +448,8 @@ class OpenComposerApp(App[int]):
         }
         if self.approve:
             argument["approve"] = self.approve
+        if session.session_id:
+            argument["session_id"] = session.session_id  # a follow-up
         try:
             if self.link is None:
                 raise LinkError("the language server is not running")
@@ -451,10 +475,14 @@ class OpenComposerApp(App[int]):
         if result is None:
             session.status = "error" if self.connected else "interrupted"
             await self._mount(NoteEntry(f"✗ {message.error}", "error"))
+            if "cannot continue" in str(message.error):  # the server does not know it
+                self.conversation = None
+                await self._mount(NoteEntry(NEW_NOTE, "ok"))
             self.queued.clear()
             self._refresh_status()
             return
         session.session_id = session.session_id or result.get("session_id")
+        self.conversation = session.session_id  # the next request follows up on it
         session.status = str(result.get("status", session.status))
         answer = str(result.get("answer") or "")
         if answer and not session.answered:
@@ -476,7 +504,9 @@ class OpenComposerApp(App[int]):
             return
         if kind == "session_start":
             session.session_id = sid
-            self.sessions_seen.append(str(sid))
+            session.request = int(event.get("request") or 1)
+            if str(sid) not in self.sessions_seen:
+                self.sessions_seen.append(str(sid))
         elif kind == "model_start":
             session.turn = int(event.get("turn", session.turn + 1))
             session.status = "thinking"
@@ -627,6 +657,18 @@ class OpenComposerApp(App[int]):
 
     # -- keys ------------------------------------------------------------------------------
 
+    def action_new_session(self) -> bool:
+        """The next request starts a new session (False while a request runs)."""
+        if self.session is not None and self.session.ended is None:
+            self.notify("A session is running; esc cancels it first.", severity="warning")
+            return False
+        if self.conversation is not None:
+            self.conversation = None
+            self._mount(NoteEntry(NEW_NOTE, "ok"))
+        self.notify("The next request starts a new session.", title="New session")
+        self._refresh_status()
+        return True
+
     @work(group="cancel")
     async def action_cancel(self) -> None:
         session = self.session
@@ -693,6 +735,8 @@ class OpenComposerApp(App[int]):
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(short_model(self.model), style="bold")
         if session is not None:
+            if session.request > 1 and self.conversation == session.session_id:
+                text.append(f" · request {session.request}")
             text.append(f" · turn {session.turn}")
             text.append(
                 f" · {_tokens(session.prompt_tokens)}↑ {_tokens(session.completion_tokens)}↓"
