@@ -110,7 +110,12 @@ def _bench(a: argparse.Namespace) -> int:
     from opencomposer.training.bench import run_bench
 
     report = run_bench(
-        a.tasks, model=a.model, concurrency=a.concurrency, out=a.out, max_turns=a.max_turns
+        a.tasks,
+        model=a.model,
+        concurrency=a.concurrency,
+        out=a.out,
+        max_turns=a.max_turns,
+        cluster=a.cluster,
     )
     summary = {k: v for k, v in report.items() if k != "tasks"}
     print(json.dumps(summary, indent=2))
@@ -247,6 +252,11 @@ def parser() -> argparse.ArgumentParser:
         "--max-turns", type=int, help="turn budget of each episode (default: the session's)"
     )
     sp.add_argument("--out", type=Path, default=Path("bench-out"))
+    sp.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="join this Ray cluster and spread the environment workers over its nodes",
+    )
 
     sp = cmd("train", _train, "reinforcement learning (or --sft) on a task suite")
     sp.add_argument("--config", type=Path, required=True)

@@ -60,9 +60,14 @@ def run_bench(
     limit: int | None = None,
     max_turns: int | None = None,
     on_result: Callable[[EpisodeResult], None] | None = None,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """Run the suite, write the report files into `out`, return the report dict.
     `max_turns` is each episode's turn budget (the session's default otherwise).
+    `cluster` (a Ray address) joins that cluster and runs the episodes on episode
+    workers spread over its nodes (`training/cluster.py`), each building the model
+    from `model` on its own node; their traces go to `out/traces-<node>-<pid>.db` on
+    the node that ran them.
 
     Raises TaskError (one line) for a bad suite or concurrency; the model spec is
     checked by the backend (ValueError, one line).
@@ -87,15 +92,23 @@ def run_bench(
     t0 = time.time()
     traces = TraceStore(out / TRACES)
     try:
-        results = asyncio.run(
-            _run(tasks, model, concurrency, cfg, session_config, on_result, traces)
-        )
+        if cluster:
+            results = asyncio.run(
+                _run_cluster(tasks, model, concurrency, cluster, session_config, on_result, out)
+            )
+        else:
+            results = asyncio.run(
+                _run(tasks, model, concurrency, cfg, session_config, on_result, traces)
+            )
     finally:
         traces.close()
     report = make_report(
         results, tasks, suite=str(tasks_dir_or_suite), model=model, concurrency=concurrency
     )
     report["max_turns"] = session_config.max_turns if session_config is not None else None
+    if cluster:
+        report["cluster"] = cluster
+        report["nodes"] = len({r.metrics.get("node") for r in results if r.metrics.get("node")})
     report["started"] = t0
     report["duration_s"] = round(time.time() - t0, 2)
     write_report(report, out)
@@ -134,6 +147,42 @@ async def _run(
         return list(await asyncio.gather(*(one(t) for t in tasks)))
     finally:
         await server.close()
+
+
+async def _run_cluster(
+    tasks: list[Task],
+    model: str,
+    concurrency: int,
+    address: str,
+    session_config: Any,
+    on_result: Callable[[EpisodeResult], None] | None,
+    out: Path,
+) -> list[EpisodeResult]:
+    """The suite on episode workers across the cluster at `address` (one per node)."""
+    from opencomposer.training.cluster import Cluster
+    from opencomposer.training.config import parse_config
+
+    cfg = parse_config(
+        {
+            "rollout": {"num_workers": min(concurrency, 4)},
+            "cluster": {"address": address, "env_workers_per_node": 1},
+        }
+    )
+    cluster = Cluster(cfg, Path("."), make_model=None, to_rollout=None)
+    gate = asyncio.Semaphore(concurrency)
+    try:
+        await cluster.start(roles=("env",))
+
+        async def one(task: Task) -> EpisodeResult:
+            async with gate:
+                r = await cluster.bench_episode(task, model, session_config, str(out.resolve()))
+            if on_result is not None:
+                on_result(r)
+            return r
+
+        return list(await asyncio.gather(*(one(t) for t in tasks)))
+    finally:
+        await cluster.close()
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -38,7 +38,7 @@ and every replica applies it to its own copy and reloads the engine under the on
 new version; then the versions are read back and must all agree. A replica whose
 copy is not at the delta's base (a replacement) gets the full weights instead.
 On GPUs the same step is an NCCL broadcast from rank 0 into each engine's workers
-(``scripts/cluster_gpu_check.py``; ``weight_sync.NcclTransport``).
+(``benchmarks/cluster.py --gpu``, written for a lent device).
 
 Faults:
 
@@ -236,6 +236,32 @@ class SamplerReplica:
         self.version = version
         return int(self.model.weight_version)
 
+    # vLLM's weight-transfer RPCs, as ``RayVLLMWeightSyncClient`` calls them on GPUs:
+    # trainer rank 0 broadcasts over NCCL straight into this engine's workers.
+
+    def _engine(self) -> Any:
+        return getattr(self.model, "inner", self.model)._engine
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self._engine().init_weight_transfer_engine(request)
+
+    async def start_weight_update(self) -> None:
+        await self._engine().start_weight_update()
+
+    async def update_weights(self, request: Any) -> None:
+        await self._engine().update_weights(request)
+
+    async def finish_weight_update(self) -> None:
+        await self._engine().finish_weight_update()
+
+    async def update_weight_version(self, version: str) -> None:
+        await self._engine().update_weight_version(version)
+        self.version = int(version)
+        inner = getattr(self.model, "inner", self.model)
+        inner.weight_version = self.version  # the engine stamps turns with it
+        if inner is not self.model:
+            self.model.version = self.version  # VersionedModel's own
+
     async def info(self) -> dict[str, Any]:
         return {
             **where(),
@@ -301,6 +327,7 @@ class EpisodeWorker:
         self.env = EnvironmentServer(EnvConfig(num_actors=num_actors))
         self.tokenizer_path = tokenizer_path
         self.episodes = 0
+        self.traces: Any = None  # benchmark episodes' trace store (run_spec)
 
     async def start(self) -> dict[str, Any]:
         await self.env.start()
@@ -322,14 +349,24 @@ class EpisodeWorker:
         self.episodes += 1
         return to_rollout(res), client.died, where()
 
-    async def run_spec(self, task: Any, model_spec: str, session_config: Any) -> Any:
-        """One benchmark episode with a model built from ``model_spec`` on this node."""
+    async def run_spec(
+        self, task: Any, model_spec: str, session_config: Any, traces_dir: str = ""
+    ) -> Any:
+        """One benchmark episode with a model built from ``model_spec`` on this node;
+        its trace goes to ``traces_dir/traces-<node ip>-<pid>.db`` (on this node)."""
         model = self.env.model(model_spec)
         start = getattr(model, "start", None)
         if start is not None:
             await start()
+        if traces_dir and self.traces is None:
+            from opencomposer.agent.traces import TraceStore
+
+            here = where()
+            path = Path(traces_dir) / f"traces-{here['ip']}-{here['pid']}.db"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.traces = TraceStore(path)
         res = await self.env.run_episode(
-            task, model_spec_or_factory=model, session_config=session_config
+            task, model_spec_or_factory=model, session_config=session_config, traces=self.traces
         )
         self.episodes += 1
         res.metrics = {**res.metrics, "node": where()["ip"]}
@@ -340,6 +377,8 @@ class EpisodeWorker:
 
     async def shutdown(self) -> None:
         await self.env.close()
+        if self.traces is not None:
+            self.traces.close()
 
 
 # -- trainer ranks -----------------------------------------------------------------------
@@ -708,6 +747,7 @@ class Cluster:
             resource=c.trainer_resource,
             strategy=c.trainer_placement.upper(),
         )
+        self.delta = c.weight_delta  # the benchmark compares whole and delta broadcasts
         self.backend = c.backend if c.backend != "auto" else ("nccl" if c.trainer_gpus else "gloo")
         self.replicas: list[Slot] = []
         self.workers: list[Slot] = []
@@ -901,6 +941,31 @@ class Cluster:
             f"episode failed after {self.section.episode_retries + 1} attempts: {last}"
         )
 
+    async def bench_episode(
+        self, task: Any, model_spec: str, session_config: Any, traces_dir: str = ""
+    ) -> Any:
+        """One benchmark episode (``bench --cluster``) on the least busy worker, with
+        the model built there; re-run on a fresh worker if its worker dies."""
+        import ray
+
+        for _ in range(self.section.episode_retries + 1):
+            worker = _least(self.workers)
+            gen = worker.generation
+            worker.inflight += 1
+            try:
+                res = await worker.handle.run_spec.remote(
+                    task, model_spec, session_config, traces_dir
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                await self._replace("worker", worker, gen)
+                self.replaced["episodes_retried"] += 1
+                continue
+            finally:
+                worker.inflight -= 1
+            worker.served += 1
+            return res
+        raise RuntimeError("benchmark episode failed: its environment workers kept dying")
+
     async def _replace(self, kind: str, slot: Slot, generation: int) -> None:
         """Replace a dead actor once, however many episodes saw it die."""
         import ray
@@ -934,7 +999,7 @@ class Cluster:
         import ray
 
         t0 = time.perf_counter()
-        payload = self.ranks[0].payload.remote(self.section.weight_delta)
+        payload = self.ranks[0].payload.remote(self.delta)
         sizes = await self.ranks[0].payload_sizes.remote()  # actor calls run in order
 
         async def one(slot: Slot) -> int:
@@ -1017,8 +1082,14 @@ class Cluster:
 
     async def report(self) -> dict[str, Any]:
         """Where every role ran, the replicas' versions, the ranks' weight checksums."""
+        import ray
+
         infos = await asyncio.gather(*(s.handle.info.remote() for s in self.replicas))
         return {
+            "nodes": [
+                {"node": n["NodeID"], "alive": n["Alive"], "resources": n.get("Resources", {})}
+                for n in ray.nodes()
+            ],
             "placement": await self.placement(),
             "replica_versions": [int(i["version"]) for i in infos],
             "trainer_version": self.trainer.version,

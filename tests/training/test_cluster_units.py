@@ -56,3 +56,15 @@ def test_full_payload_replaces_everything_and_tied_weights_go_once():
     assert set(shadow) == set(state)
     # no delta when asked for none, even with a base
     assert encode_weights(state, state, version=2, base_version=1, delta=False).nbytes == p.nbytes
+
+
+def test_the_example_cluster_configs_load():
+    from pathlib import Path
+
+    from opencomposer.training.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    local = load_config(root / "cluster-local.toml").cluster
+    assert local is not None and local.address == "" and local.samplers == 2
+    remote = load_config(root / "cluster-example.toml").cluster
+    assert remote is not None and remote.backend == "nccl" and remote.strategy == "fsdp2"
