@@ -90,6 +90,12 @@ class Record:
     root: Path
     edits: list[Edit] = field(default_factory=list)
     from_trace: bool = False  # read back from the trace store: another process ran it
+    # path -> how many of its edits (the first ones) the user accepted: a later reject
+    # of the file (after a follow-up edited it again) keeps those
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    def of(self, path: str) -> list[Edit]:
+        return [e for e in self.edits if e.path == path]
 
 
 @dataclass(kw_only=True)
@@ -689,19 +695,27 @@ class ComposerServer(LanguageServer):
             Edit(path=e["path"], before=e["before"], after=e["after"], diff=e["diff"] or "")
             for e in trace["edits"]
         ]
+        accepted: dict[str, int] = {}  # the leading run of accepted edits of each path
+        seen: dict[str, int] = {}
+        for row in trace["edits"]:
+            n = seen[row["path"]] = seen.get(row["path"], 0) + 1
+            if row["decision"] == "accept" and accepted.get(row["path"], 0) == n - 1:
+                accepted[row["path"]] = n
         return Record(
             session_id=trace["session_id"],
             root=Path(trace["workspace"]),
             edits=edits,
             from_trace=True,
+            accepted=accepted,
         )
 
     async def _revert(
-        self, record: Record, paths: list[str] | None = None
+        self, record: Record, paths: list[str] | None = None, keep_accepted: bool = False
     ) -> tuple[list[str], list[dict[str, str]]]:
         """Put each file back as it was before the session's first edit to it, through
-        the editor. Newest-touched file first. From a trace (another process), only
-        files still exactly as the session left them are reverted."""
+        the editor (with `keep_accepted`, as it was after its last accepted edit).
+        Newest-touched file first. From a trace (another process), only files still
+        exactly as the session left them are reverted."""
         from opencomposer.tools.protocols import ToolError
 
         if record.root != self._require_root():
@@ -718,6 +732,9 @@ class ComposerServer(LanguageServer):
         reverted, failed = [], []
         for path in order:
             before = first[path].before
+            kept = record.accepted.get(path, 0) if keep_accepted else 0
+            if 0 < kept < len(record.of(path)):  # edits since the accept: reject only those
+                before = record.of(path)[kept - 1].after
             try:
                 if record.from_trace:
                     now = workspace.read_text(path) if workspace.exists(path) else None
@@ -742,10 +759,12 @@ class ComposerServer(LanguageServer):
             raise server_error(f"session {args.session_id} did not edit {args.path}")
         reverted = False
         if args.decision == "reject":
-            done, failed = await self._revert(record, [args.path])
+            done, failed = await self._revert(record, [args.path], keep_accepted=True)
             if failed:
                 raise server_error(f"could not revert {args.path}: {failed[0]['error']}")
             reverted = bool(done)
+        else:
+            record.accepted[args.path] = len(record.of(args.path))
         self._decide(record.session_id, args.path, args.decision)
         return {"ok": True, "reverted": reverted}
 

@@ -105,3 +105,20 @@ async def test_unknown_and_running_sessions_are_one_line_errors(spawn, tmp_path)
     with pytest.raises(JsonRpcException) as info:
         await editor.command(ASK, {"query": "x", "session_id": ""})
     assert info.value.code == -32602 and "'session_id' is empty" in info.value.message
+
+
+async def test_reject_after_a_follow_up_keeps_what_was_accepted(spawn, repo, home, tmp_path):
+    mul = '<edit_file path="calc.py">\n<old>    return a * b</old>\n<new>    return b * a</new>\n</edit_file>'  # fmt: skip
+    editor = await spawn(scripted(tmp_path / "m.json", [FIX, "Fixed add.", mul, "Swapped."]))
+    sid = (await editor.command(ASK, {"query": "fix", "auto_apply_edits": True}))["session_id"]
+    decide = {"session_id": sid, "path": "calc.py"}
+    await editor.command("opencomposer.decide", {**decide, "decision": "accept"})
+    await editor.command(ASK, {"query": "swap mul", "session_id": sid, "auto_apply_edits": True})
+    assert "b * a" in (repo / "calc.py").read_text()
+    result = await editor.command("opencomposer.decide", {**decide, "decision": "reject"})
+    assert result == {"ok": True, "reverted": True}
+    assert (repo / "calc.py").read_text() == CALC.replace("a - b", "a + b")  # accepted fix kept
+    # everything decided: a second reject means the whole file, back as before the session
+    await editor.command("opencomposer.decide", {**decide, "decision": "accept"})
+    await editor.command("opencomposer.decide", {**decide, "decision": "reject"})
+    assert (repo / "calc.py").read_text() == CALC
