@@ -1,9 +1,22 @@
-"""`opencomposer ask`: one session in the terminal, as JSON lines or for a person."""
+"""`opencomposer ask`: one session in the terminal, as JSON lines or for a person.
+
+Where a language server is already running for this user (`opencomposer serve
+--tcp`, recorded under `$OPENCOMPOSER_HOME/servers/`, the same authenticated server
+the editors and the TUI use) with the model asked for, `ask` hands the request to it
+as `opencomposer.ask` over that connection instead of loading a model: its engine is
+warm, so decoding starts within a second rather than after an engine start. The
+client plays the editor's part (`clients.tui.link.ServerLink`): it writes the edits
+the server sends to disk, answers approvals in the terminal and renders the
+`opencomposer/event` stream with the same views. The server runs sessions with its
+own defaults, so `--max-turns` or `--sandbox` other than the defaults, `--no-server`,
+or a server that cannot be reached, run the session in this process as before.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +27,7 @@ from opencomposer.agent import events as ev
 if TYPE_CHECKING:
     from opencomposer.agent.executor import Approval
     from opencomposer.agent.session import Policy
+    from opencomposer.server.lsp_auth import ServerInfo
     from opencomposer.tools.protocols import SandboxMode
 
 
@@ -138,6 +152,7 @@ def ask(
     approve: Policy,
     max_turns: int = 25,
     sandbox: SandboxMode = "workspace-write",
+    use_server: bool = True,
 ) -> int:
     from opencomposer.agent.backends import make_model
     from opencomposer.agent.factory import open_session
@@ -153,6 +168,18 @@ def ask(
         raise ValueError("the request is empty")
     view: JsonView | HumanView = JsonView() if as_json else HumanView()
     interactive = not as_json and sys.stdin.isatty()
+    if use_server and max_turns == 25 and sandbox == "workspace-write":
+        server = warm_server(model)
+        if server is not None:
+            remote = RemoteAsk(server, root, model, view, approve=approve, interactive=interactive)
+            status = asyncio.run(remote.run(query))
+            if status is not None:
+                return status
+            print(
+                f"opencomposer: the server on port {server.port} is unreachable "
+                f"({remote.failure}); running here",
+                file=sys.stderr,
+            )
 
     async def approver(name: str, args: dict[str, Any]) -> Approval:
         assert isinstance(view, HumanView)
@@ -191,3 +218,143 @@ def ask(
         return 0 if result.status == "completed" else 1
 
     return asyncio.run(main())
+
+
+def warm_server(model: str) -> ServerInfo | None:
+    """The newest live server of this user that runs `model`, if any."""
+    from opencomposer.server.lsp_auth import running_servers
+
+    return next((s for s in running_servers() if s.model == model), None)
+
+
+class RemoteAsk:
+    """One `opencomposer.ask` on a running server; the `LinkUI` of its connection."""
+
+    def __init__(
+        self,
+        server: ServerInfo,
+        root: Path,
+        model: str,
+        view: JsonView | HumanView,
+        *,
+        approve: Policy,
+        interactive: bool,
+    ) -> None:
+        self.server = server
+        self.root = root
+        self.model = model
+        self.view = view
+        self.approve = approve
+        self.interactive = interactive
+        self.session_id: str | None = None
+        self.started = False  # an event arrived: too late to fall back
+        self.failure = ""
+        self.link: Any = None
+
+    async def run(self, query: str) -> int | None:
+        """The exit status, or None when the server could not take the request."""
+        from opencomposer.clients.tui.link import LinkConfig, LinkError, ServerLink
+
+        # pygls logs a failed connection's every unsent message to stderr; the
+        # one line below says what happened
+        logging.getLogger("pygls").setLevel(logging.CRITICAL)
+        address = f"{self.server.host}:{self.server.port}"
+        config = LinkConfig(workspace=self.root, tcp=address, token=self.server.token)
+        self.link = ServerLink(config, self)
+        try:
+            await self.link.start()
+        except LinkError as e:
+            self.failure = str(e)
+            return None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.cancel()))
+        argument = {"query": query, "approve": self.approve, "model": self.model}
+        try:
+            result = await self.link.command("opencomposer.ask", argument)
+        except LinkError as e:
+            if not self.started:
+                self.failure = str(e)
+                return None
+            print(f"opencomposer: {e}", file=sys.stderr)
+            return 1
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            self.view.close()
+            await self.link.stop()
+        answer = result.get("answer") if isinstance(result, dict) else None
+        if isinstance(self.view, HumanView) and answer:
+            from rich.markdown import Markdown
+
+            self.view.console.print(Markdown(answer))
+        completed = isinstance(result, dict) and result.get("status") == "completed"
+        return 0 if completed else 1
+
+    async def cancel(self) -> None:
+        if self.session_id is not None and self.link is not None:
+            from opencomposer.clients.tui.link import LinkError
+
+            try:
+                await self.link.command("opencomposer.cancel", {"session_id": self.session_id})
+            except LinkError:
+                pass
+
+    # -- LinkUI ---------------------------------------------------------------------
+
+    def server_event(self, event: dict[str, Any]) -> None:
+        self.started = True
+        if event.get("type") == ev.SessionStart.type:
+            self.session_id = event.get("session_id")
+        typed = event_from_wire(event)
+        if typed is None or (isinstance(self.view, JsonView) and isinstance(typed, ev.ModelDelta)):
+            return  # the JSON stream carries no deltas, as in this process
+        self.view(typed)
+
+    async def server_approval(self, message: str, actions: list[str]) -> str | None:
+        if not self.interactive or not isinstance(self.view, HumanView):
+            return None  # nobody to ask: the call is refused, as in this process
+        from opencomposer.server.lsp import ACTION_ALWAYS, ACTION_REJECT, ACTION_RUN
+
+        view = self.view
+
+        def ask_person() -> str:
+            view._stop_spin()
+            view.console.print("[bold yellow]approve[/] ", end="")
+            view.console.print(_visible(message), highlight=False)
+            answer = input("  run? [y]es / [a]lways / [n]o: ").strip().lower()
+            choices = {"y": ACTION_RUN, "yes": ACTION_RUN, "a": ACTION_ALWAYS}
+            return choices.get(answer, ACTION_ALWAYS if answer == "always" else ACTION_REJECT)
+
+        return await asyncio.to_thread(ask_person)
+
+    def server_progress(self, token: str, value: dict[str, Any]) -> None:
+        pass
+
+    def server_show_document(self, path: Path) -> None:
+        pass
+
+    def server_log(self, level: int, message: str) -> None:
+        if level <= 2:  # Error, Warning
+            print(f"opencomposer serve: {message}", file=sys.stderr)
+
+    def server_edit_failed(self, message: str) -> None:
+        print(f"opencomposer: an edit could not be written: {message}", file=sys.stderr)
+
+    def server_stopped(self, reason: str) -> None:
+        self.failure = reason
+
+
+_EVENT_TYPES = {cls.type: cls for cls in ev.EVENTS}
+
+
+def event_from_wire(wire: dict[str, Any]) -> ev.Event | None:
+    """The typed event of an `opencomposer/event` notification (its wire fields; the
+    local-only ones keep their defaults); None for a type this client does not know."""
+    cls = _EVENT_TYPES.get(str(wire.get("type")))
+    if cls is None:
+        return None
+    try:
+        return cls(**{k: wire[k] for k in ("t", *cls.wire_fields()) if k in wire})
+    except TypeError:
+        return None

@@ -30,6 +30,7 @@ def _ask(a: argparse.Namespace) -> int:
         approve=a.approve,
         max_turns=a.max_turns,
         sandbox=a.sandbox,
+        use_server=not a.no_server,
     )
 
 
@@ -165,6 +166,11 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-turns", type=int, default=25)
     sp.add_argument(
         "--sandbox", choices=("read-only", "workspace-write", "off"), default="workspace-write"
+    )
+    sp.add_argument(
+        "--no-server",
+        action="store_true",
+        help="run here even when `opencomposer serve --tcp` runs this model (default: use it)",
     )
 
     sp = cmd("serve", _serve, "run the language server")
