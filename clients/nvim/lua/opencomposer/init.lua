@@ -2,15 +2,24 @@
 --
 --   require("opencomposer").setup{}            -- starts the server for the cwd
 --   :OpenComposerAsk fix the failing test      -- or select lines, then :'<,'>OpenComposerAsk
+--   :OpenComposerAsk and add a test            -- a follow-up: the same session, history kept
+--   :OpenComposerNew [query]                   -- the next request starts a new session
 --   :OpenComposerCancel   :OpenComposerSearch retry logic   :OpenComposerUndo
+--   :OpenComposerAcceptHunk / RejectHunk / AcceptFile / RejectFile / AcceptAll / RejectAll
+--   :OpenComposerReview                        -- every change under review, in the quickfix list
 --
--- The session streams into a split; the agent's edits arrive as LSP
--- workspace/applyEdit and land in buffers (u undoes them); buffers that had no
--- unsaved changes are written, so the agent's commands see the new text;
--- commands that need approval are offered through vim.ui.select.
+-- The session streams into a split (the agent's prose, tool calls as one line each);
+-- the agent's edits arrive as LSP workspace/applyEdit and land in buffers at once
+-- (u undoes them); buffers that had no unsaved changes are written, so the agent's
+-- commands see the new text. Each edited buffer then shows the change as a diff to
+-- review (review.lua): accept or reject per hunk, per file, or everything.
+-- Commands that need approval are offered through vim.ui.select.
 -- Works on Neovim 0.7 and later (only 0.7 APIs are used).
 
+local review = require("opencomposer.review")
+
 local M = {}
+M.review = review
 
 local defaults = {
   cmd = { "opencomposer", "serve", "--stdio" },
@@ -21,12 +30,22 @@ local defaults = {
   save_edits = true, -- write buffers the agent changed if they had no unsaved changes
   split = "botright vsplit", -- how the session window opens
   autostart = true,
+  -- buffer-local mappings while a buffer has changes under review ("" or false: none)
+  keys = {
+    accept_hunk = "<localleader>a",
+    reject_hunk = "<localleader>r",
+    accept_file = "<localleader>A",
+    reject_file = "<localleader>R",
+    next_hunk = "]h",
+    prev_hunk = "[h",
+  },
 }
 
 M.config = vim.deepcopy(defaults)
 M.state = {
   client_id = nil,
   session_id = nil, -- the latest session
+  conversation = nil, -- the session the next request continues (nil: a new one)
   running = {}, -- session_id -> true while it runs
   results = {}, -- session_id -> the ask result
   buf = nil, -- the session buffer
@@ -120,7 +139,11 @@ function M.render(ev)
   if t == "session_start" then
     M.state.session_id = ev.session_id
     M.state.running[ev.session_id] = true
-    append({ "", "# session " .. ev.session_id .. " (" .. tostring(ev.model) .. ")", "" })
+    if (ev.request or 1) > 1 then
+      append({ "", "## follow-up " .. ev.request .. " in session " .. ev.session_id, "" })
+    else
+      append({ "", "# session " .. ev.session_id .. " (" .. tostring(ev.model) .. ")", "" })
+    end
   elseif t == "model_delta" then
     -- prose: the reply without its tool-call XML (the calls render as ▶ lines)
     local piece = type(ev.prose) == "string" and ev.prose or ev.text
@@ -140,6 +163,7 @@ function M.render(ev)
     local lines = vim.split(ev.diff or "", "\n", { plain = true })
     table.insert(lines, 1, "✎ " .. ev.path)
     append(lines)
+    review.promote(ev.session_id, ev.path)
   elseif t == "session_end" then
     M.state.running[ev.session_id] = nil
     append({
@@ -166,6 +190,41 @@ local function uri_set(edit)
   return uris
 end
 
+-- Write `bufnr` if it had no unsaved changes before ours (save_edits), and tell the
+-- server it is saved (noautocmd skips the LSP hook).
+local function write(bufnr, was_clean)
+  if not (M.config.save_edits and was_clean) then
+    return
+  end
+  if bufnr == -1 or not vim.api.nvim_buf_is_loaded(bufnr) or not vim.bo[bufnr].modified then
+    return
+  end
+  vim.api.nvim_buf_call(bufnr, function()
+    vim.cmd("silent! noautocmd write")
+  end)
+  local c = M.state.client_id and vim.lsp.get_client_by_id(M.state.client_id)
+  if c and vim.lsp.buf_is_attached(bufnr, c.id) then
+    client_call(c, "notify", "textDocument/didSave", { textDocument = { uri = vim.uri_from_bufnr(bufnr) } })
+  end
+end
+
+-- Before the edit lands, each file's text becomes the baseline of its review.
+local function snapshot(edit)
+  for _, change in ipairs(edit.documentChanges or {}) do
+    local uri = change.textDocument and change.textDocument.uri or (change.kind == "create" and change.uri)
+    local path = uri and review.rel(vim.uri_to_fname(uri))
+    if path then
+      review.snapshot(path, change.kind == "create" and vim.fn.filereadable(vim.uri_to_fname(uri)) == 0)
+    end
+  end
+  for uri, _ in pairs(edit.changes or {}) do
+    local path = review.rel(vim.uri_to_fname(uri))
+    if path then
+      review.snapshot(path, false)
+    end
+  end
+end
+
 local function apply_edit(_, params, ctx)
   local client = vim.lsp.get_client_by_id(ctx.client_id)
   local clean = {}
@@ -173,22 +232,17 @@ local function apply_edit(_, params, ctx)
     local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
     clean[uri] = bufnr == -1 or not vim.api.nvim_buf_is_loaded(bufnr) or not vim.bo[bufnr].modified
   end
+  pcall(snapshot, params.edit)
   local ok, err = pcall(vim.lsp.util.apply_workspace_edit, params.edit, client and client.offset_encoding or "utf-16")
   if not ok then
     return { applied = false, failureReason = tostring(err) }
   end
-  if M.config.save_edits then
-    for uri, was_clean in pairs(clean) do
-      local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
-      if was_clean and bufnr ~= -1 and vim.api.nvim_buf_is_loaded(bufnr) and vim.bo[bufnr].modified then
-        vim.api.nvim_buf_call(bufnr, function()
-          vim.cmd("silent! noautocmd write")
-        end)
-        -- tell the server the file is saved (noautocmd skipped the LSP hook)
-        if client and vim.lsp.buf_is_attached(bufnr, ctx.client_id) then
-          client_call(client, "notify", "textDocument/didSave", { textDocument = { uri = uri } })
-        end
-      end
+  for uri, was_clean in pairs(clean) do
+    local bufnr = vim.fn.bufnr(vim.uri_to_fname(uri))
+    write(bufnr, was_clean)
+    local path = bufnr ~= -1 and review.path_of(bufnr)
+    if path then
+      review.render(path)
     end
   end
   return { applied = true }
@@ -310,20 +364,44 @@ function M.start()
   return M.state.client_id
 end
 
-local function execute(command, argument, on_result)
+local function execute(command, argument, on_result, on_error)
   local c = client()
   if not c then
+    if on_error then
+      on_error({ message = "the server is not running" })
+    end
     return
   end
   client_call(c, "request", "workspace/executeCommand", { command = command, arguments = { argument } }, function(err, result)
     if err then
       notify(command .. ": " .. (err.message or vim.inspect(err)), vim.log.levels.ERROR)
+      if on_error then
+        on_error(err)
+      end
       return
     end
     if on_result then
       on_result(result)
     end
   end, 0)
+end
+
+-- A server command that may revert files: the edits it sends are not the agent's.
+local function quietly(command, argument, on_result)
+  review.quiet = review.quiet + 1
+  execute(command, argument, function(result)
+    review.quiet = review.quiet - 1
+    if on_result then
+      on_result(result)
+    end
+  end, function()
+    review.quiet = review.quiet - 1
+  end)
+end
+
+-- The trace records the user's decision on a file (review.lua settles files).
+function M.decide(session_id, path, decision)
+  quietly("opencomposer.decide", { session_id = session_id, path = path, decision = decision })
 end
 
 -- -- commands ----------------------------------------------------------------------
@@ -333,12 +411,34 @@ function M.ask_with(arg)
   if arg.auto_apply_edits == nil then
     arg.auto_apply_edits = M.config.auto_apply_edits
   end
+  if arg.session_id == nil and M.state.conversation then
+    arg.session_id = M.state.conversation -- a follow-up in the same session
+  end
   show_split()
+  append({ "", "> " .. (arg.query:gsub("\n", " ")) })
   execute("opencomposer.ask", arg, function(result)
     M.state.results[result.session_id] = result
     M.state.last_result = result
+    M.state.conversation = result.session_id
     append({ "", "## " .. result.status .. (result.answer ~= "" and (": " .. result.answer) or "") })
+  end, function(err)
+    if tostring(err.message):find("cannot continue", 1, true) then
+      M.state.conversation = nil -- the server does not know it: the next request starts anew
+      append({ "", "— new session: the next request starts without history" })
+    end
   end)
+end
+
+-- The next request starts a new session (with a query: that request, at once).
+function M.new_session(query)
+  if M.state.conversation then
+    M.state.conversation = nil
+    show_split()
+    append({ "", "— new session: the next request starts without history" })
+  end
+  if query and query ~= "" then
+    M.ask(query)
+  end
 end
 
 function M.ask(query, range)
@@ -395,14 +495,30 @@ function M.undo(session_id)
     notify("no session to undo", vim.log.levels.WARN)
     return
   end
-  execute("opencomposer.undo", { session_id = session_id }, function(result)
+  quietly("opencomposer.undo", { session_id = session_id }, function(result)
+    review.forget_session(session_id)
+    M.state.last_undo = result
     notify("reverted " .. table.concat(result.reverted or {}, ", "))
   end)
+end
+
+function M.show_review()
+  local items = review.items()
+  vim.fn.setqflist({}, " ", { title = "opencomposer: changes to review", items = items })
+  if #items == 0 then
+    notify("no change is waiting for review")
+  else
+    vim.cmd("copen")
+  end
 end
 
 function M.setup(opts)
   M.config = vim.tbl_deep_extend("force", vim.deepcopy(defaults), opts or {})
   M.config.root = vim.fn.fnamemodify(M.config.root or vim.fn.getcwd(), ":p"):gsub("/$", "")
+  review.root = M.config.root
+  review.keys = M.config.keys or {}
+  review.decide = M.decide
+  review.write = write
 
   vim.api.nvim_create_user_command("OpenComposerAsk", function(o)
     local range = o.range > 0 and { o.line1, o.line2 } or nil
@@ -425,6 +541,36 @@ function M.setup(opts)
   vim.api.nvim_create_user_command("OpenComposerUndo", function(o)
     M.undo(o.args ~= "" and o.args or nil)
   end, { nargs = "?", desc = "Revert the edits of the last (or a given) session" })
+  vim.api.nvim_create_user_command("OpenComposerNew", function(o)
+    M.new_session(o.args)
+  end, { nargs = "*", desc = "Start a new session (the next request, or this one, has no history)" })
+  local function current()
+    return review.path_of(0)
+  end
+  local review_commands = {
+    OpenComposerAcceptHunk = { review.accept_hunk_at, "Keep the agent's change under the cursor" },
+    OpenComposerRejectHunk = { review.reject_hunk_at, "Revert the agent's change under the cursor" },
+    OpenComposerAcceptFile = {
+      function()
+        review.accept_file(current())
+      end,
+      "Keep every agent change in this file",
+    },
+    OpenComposerRejectFile = {
+      function()
+        review.reject_file(current())
+      end,
+      "Revert every agent change in this file still under review",
+    },
+    OpenComposerAcceptAll = { review.accept_all, "Keep every agent change under review" },
+    OpenComposerRejectAll = { review.reject_all, "Revert every agent change under review" },
+    OpenComposerReview = { M.show_review, "List the agent's changes under review (quickfix)" },
+  }
+  for name, spec in pairs(review_commands) do
+    vim.api.nvim_create_user_command(name, function()
+      spec[1]()
+    end, { desc = spec[2] })
+  end
 
   local group = vim.api.nvim_create_augroup("opencomposer", { clear = true })
   vim.api.nvim_create_autocmd({ "BufReadPost", "BufNewFile", "BufEnter" }, {
