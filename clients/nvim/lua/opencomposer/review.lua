@@ -98,7 +98,7 @@ end
 
 -- -- drawing ---------------------------------------------------------------------
 
-function R.render(path)
+function R.render(path, hunks)
   local buf = bufnr_of(path)
   if not buf then
     return
@@ -108,7 +108,7 @@ function R.render(path)
   if not f then
     return
   end
-  local hunks = R.hunks(path)
+  hunks = hunks or R.hunks(path)
   local last = api.nvim_buf_line_count(buf) - 1
   for i, h in ipairs(hunks) do
     if h.nb > 0 then -- the added lines, whole width
@@ -255,9 +255,13 @@ end
 -- No hunk left: the server records the file's decision.
 local function settle(path)
   local f = R.files[path]
-  if not f or #R.hunks(path) > 0 then
-    R.render(path)
+  local hunks = f and R.hunks(path) or {}
+  if #hunks > 0 then
+    R.render(path, hunks)
     changed()
+    return
+  end
+  if not f then
     return
   end
   R.forget(path)
