@@ -20,6 +20,9 @@ What it implements, by LSP method:
 - `$/cancelRequest` on an ask request, `opencomposer.cancel` and a cancelled
   progress stop the session; a client that goes away stops its sessions and their
   traces end as `disconnected`.
+- Follow-ups: `opencomposer.ask` with the `session_id` of a finished session
+  continues it (its `History` from memory, else from its trace); its edits join the
+  session's `Record`, so undo and reject cover every request.
 
 Run it:
 
@@ -554,6 +557,8 @@ class ComposerServer(LanguageServer):
             raise server_error(f"cannot continue: {e.args[0] if e.args else e}") from None
         if full in self.shared.running or trace["status"] == "running":
             raise server_error(f"session {full} is still running")
+        if full in self.shared.histories:  # named by a prefix
+            return full, self.shared.histories[full]
         if Path(trace["workspace"]) != root:
             raise server_error(f"session {full} ran in {trace['workspace']}, not in this workspace")
         return full, History.from_trace(trace)
