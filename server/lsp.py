@@ -560,7 +560,9 @@ class ComposerServer(LanguageServer):
         if full in self.shared.histories:  # named by a prefix
             return full, self.shared.histories[full]
         if Path(trace["workspace"]) != root:
-            raise server_error(f"session {full} ran in {trace['workspace']}, not in this workspace")
+            raise server_error(
+                f"cannot continue: session {full} ran in {trace['workspace']}, not in this workspace"
+            )
         return full, History.from_trace(trace)
 
     async def cmd_ask(self, args: cmds.AskArgs) -> dict[str, Any]:

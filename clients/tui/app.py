@@ -258,7 +258,9 @@ class OpenComposerApp(App[int]):
         yield from super().get_system_commands(screen)
         yield SystemCommand("Codebase search", "Search the index (ctrl+f)", self.action_search)
         yield SystemCommand(
-            "Sessions", "Browse traces, submit as training query (ctrl+o)", self.action_sessions
+            "Sessions",
+            "Browse traces, continue one, submit as training query (ctrl+o)",
+            self.action_sessions,
         )
         yield SystemCommand(
             "New session",
@@ -475,7 +477,7 @@ class OpenComposerApp(App[int]):
         if result is None:
             session.status = "error" if self.connected else "interrupted"
             await self._mount(NoteEntry(f"✗ {message.error}", "error"))
-            if "cannot continue" in str(message.error):  # the server does not know it
+            if "cannot continue:" in str(message.error):  # the server cannot resume it
                 self.conversation = None
                 await self._mount(NoteEntry(NEW_NOTE, "ok"))
             self.queued.clear()
@@ -705,7 +707,20 @@ class OpenComposerApp(App[int]):
         if not self.connected:
             self.notify("The language server is not running.", severity="error")
             return
-        self.push_screen(SessionsScreen(self._run))
+        self.push_screen(SessionsScreen(self._run), callback=self.continue_session)
+
+    def continue_session(self, session_id: str | None) -> None:
+        """The next request follows up on `session_id` (chosen in the sessions list)."""
+        if not session_id:
+            return
+        if self.session is not None and self.session.ended is None:
+            self.notify("A session is running; esc cancels it first.", severity="warning")
+            return
+        self.conversation = session_id
+        self._mount(
+            NoteEntry(f"■ continuing session {session_id}: the next request follows up", "ok")
+        )
+        self._refresh_status()
 
     def action_log(self) -> None:
         self.push_screen(LogScreen(self.log_lines))

@@ -139,11 +139,13 @@ class SearchScreen(ModalScreen[None]):
         self.query_one("#search-preview", Static).update(syntax)
 
 
-class SessionsScreen(ModalScreen[None]):
-    """Past sessions from the trace store; `s` submits the highlighted one for training."""
+class SessionsScreen(ModalScreen[str | None]):
+    """Past sessions from the trace store; `s` submits the highlighted one for training,
+    `c` continues it (the screen returns its id: the next request follows up on it)."""
 
     BINDINGS = [
         Binding("escape", "dismiss(None)", "Close"),
+        Binding("c", "continue_session", "Continue session"),
         Binding("s", "submit", "Submit as training query"),
         Binding("f5", "refresh", "Refresh"),
     ]
@@ -192,8 +194,15 @@ class SessionsScreen(ModalScreen[None]):
                 key=str(s.get("session_id")),
             )
         status.update(
-            Text(f"{len(self.sessions)} sessions · s: submit as training query", style="dim")
+            Text(
+                f"{len(self.sessions)} sessions · c: continue · s: submit as training query",
+                style="dim",
+            )
         )
+
+    def action_continue_session(self) -> None:
+        if self.sessions:
+            self.dismiss(str(self.sessions[self.query_one(DataTable).cursor_row]["session_id"]))
 
     @work(exclusive=True, group="submit")
     async def action_submit(self) -> None:

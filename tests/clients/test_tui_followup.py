@@ -1,5 +1,6 @@
 """The TUI continues its session: a second request is a follow-up (same session id,
-the agent sees the history), and ctrl+s or `/new` starts a new session.
+the agent sees the history), ctrl+s or `/new` starts a new session, and `c` in the
+sessions list (ctrl+o) continues a past one.
 
 Real language server, `scripted:` model (it plays the turn numbered by the assistant
 messages in the prompt, so a follow-up that lost its history would replay turn 1).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from opencomposer.clients.tui.screens import SessionsScreen
 from opencomposer.clients.tui.transcript import AssistantEntry, DiffEntry, NoteEntry
 from tui_harness import (
     CALC,
@@ -88,3 +90,21 @@ async def test_slash_new_starts_a_new_session_with_the_request_after_it(tmp_path
         await send(pilot, "/new hello again")
         assert app.session.query == "hello again"
         assert app.session.session_id not in (None, first) and app.session.request == 1
+
+
+async def test_the_sessions_list_continues_a_past_session(tmp_path):
+    ws = make_workspace(tmp_path / "repo")
+    app = make_app(ws, make_script(tmp_path / "turns.json", [DONE, SECOND]), tmp_path / "home")
+    async with app.run_test(size=(100, 40)) as pilot:
+        await send(pilot, "hello")
+        first = app.session.session_id
+        await pilot.press("ctrl+s")
+        assert app.conversation is None
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), what="sessions")
+        await wait_for(pilot, lambda: app.screen.sessions, what="the list")
+        await pilot.press("c")
+        await wait_for(pilot, lambda: app.conversation == first, what="continue")
+        await send(pilot, "and then?")
+        assert app.session.session_id == first and app.session.request == 2
+        assert [e.shown for e in app.query(AssistantEntry)][-1].startswith(SECOND)

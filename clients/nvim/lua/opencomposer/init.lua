@@ -422,7 +422,7 @@ function M.ask_with(arg)
     M.state.conversation = result.session_id
     append({ "", "## " .. result.status .. (result.answer ~= "" and (": " .. result.answer) or "") })
   end, function(err)
-    if tostring(err.message):find("cannot continue", 1, true) then
+    if tostring(err.message):find("cannot continue:", 1, true) then
       M.state.conversation = nil -- the server does not know it: the next request starts anew
       append({ "", "— new session: the next request starts without history" })
     end
