@@ -150,7 +150,7 @@ class _Counter:
 
 def model_folder(cfg: TrainConfig, out: Path) -> Path:
     path = cfg.model.path
-    if path == "smollm2":
+    if path in ("smollm2", "smollm2-base"):  # the embedded model; "-base": untrained
         from opencomposer.agent.backends.smollm2 import smollm2_path
 
         folder = Path(smollm2_path())

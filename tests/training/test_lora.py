@@ -87,3 +87,15 @@ def test_checkpoint_resumes_the_adapters_exactly(tmp_path):
     wa, wb = dict(a.named_weights(torch.float32)), dict(b.named_weights(torch.float32))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
+def test_the_embedded_config_trains_adapters_on_the_corpus():
+    from pathlib import Path
+
+    from opencomposer.training.config import load_config
+    from opencomposer.training.rl import trainer_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.toml")
+    assert cfg.tasks.suite == "corpus:train" and cfg.model.path == "smollm2-base"
+    assert cfg.rollout.max_turns == 8 and cfg.sft.source == "demos"
+    assert trainer_config(cfg).lora_rank == cfg.optim.lora_rank > 0
