@@ -385,8 +385,17 @@ class Trainer:
         for name, t in state.items():
             yield name, t.detach().to(dtype)
 
-    def save(self, folder: Path, *, extra: dict[str, Any] | None = None) -> Path:
-        """Write a loadable HF folder plus the trainer state; returns ``folder``."""
+    def save(
+        self,
+        folder: Path,
+        *,
+        extra: dict[str, Any] | None = None,
+        model_state: dict[str, torch.Tensor] | None = None,
+        optimizer_state: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write a loadable HF folder plus the trainer state; returns ``folder``.
+        ``model_state``/``optimizer_state``: full state dicts gathered by the caller (a
+        sharded FSDP2 rank 0, ``training/cluster.py``) instead of this process's own."""
         folder.mkdir(parents=True, exist_ok=True)
         if hasattr(self.model, "save_pretrained"):
             from transformers.utils import logging as hf_logging
@@ -400,7 +409,9 @@ class Trainer:
                 )
                 save_adapter(self.model, folder)
             else:
-                self.model.save_pretrained(str(folder), safe_serialization=True)
+                self.model.save_pretrained(
+                    str(folder), state_dict=model_state, safe_serialization=True
+                )
         else:
             torch.save(self.model.state_dict(), folder / "model.pt")
         if self.source_dir is not None:  # so that vLLM and the agent can load the folder
@@ -412,7 +423,9 @@ class Trainer:
 
             write_prompt_style(folder, self.prompt_style)
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state
+            if optimizer_state is not None
+            else self.optimizer.state_dict(),
             "step": self.step_count,
             "version": self.version,
             "rng": torch.get_rng_state(),
@@ -490,11 +503,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints (0 keeps all); returns the
-    deleted folders. Incomplete ones (no state file yet) are left alone."""
+    deleted folders. Incomplete ones (no state file yet) are left alone, and so is
+    ``step_0``, the warm start's result (what RL is measured against)."""
     root = run_dir / "checkpoints"
     if keep <= 0 or not root.is_dir():
         return []
-    done = [p for p in root.glob("step_*") if (p / STATE_FILE).exists()]
+    done = [
+        p for p in root.glob("step_*") if (p / STATE_FILE).exists() and p.name != "step_0"
+    ]
     done.sort(key=lambda p: int(p.name.split("_")[1]))
     old = done[:-keep]
     for p in old:

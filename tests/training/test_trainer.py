@@ -139,3 +139,17 @@ async def test_trainer_work_runs_on_its_one_thread():
     assert await tr.run(lambda a, *, b: a + b, 2, b=3) == 5
     with pytest.raises(ZeroDivisionError):
         await tr.run(lambda: 1 / 0)
+
+
+def test_pruning_keeps_the_newest_and_the_warm_start(tmp_path):
+    from opencomposer.training.trainer import STATE_FILE, prune_checkpoints
+
+    for step in (0, 2, 4, 6):
+        d = tmp_path / "checkpoints" / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / STATE_FILE).write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step_8").mkdir()  # incomplete: left alone
+    gone = prune_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in gone) == ["step_2"]
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step_0", "step_4", "step_6", "step_8"]
