@@ -46,13 +46,15 @@ TURNS = [
 ]
 
 
-def run_nvim(tmp_path: Path, script: str, turns: list[str]) -> tuple[dict, Path, Path]:
+def run_nvim(
+    tmp_path: Path, script: str, turns: list[str], cps: float = 0
+) -> tuple[dict, Path, Path]:
     root = tmp_path / "repo"
     root.mkdir()
     (root / "calc.py").write_text(CALC)
     (root / "test_calc.py").write_text(TEST_CALC)
     model = tmp_path / "turns.json"
-    model.write_text(json.dumps({"turns": turns, "chars_per_second": 0}))
+    model.write_text(json.dumps({"turns": turns, "chars_per_second": cps}))
     out, home = tmp_path / "out.json", tmp_path / "home"
     env = dict(os.environ)
     env.update(
@@ -142,3 +144,18 @@ def test_review_hunks_files_follow_ups_and_undo(tmp_path: Path) -> None:
             "SELECT turn FROM turns WHERE session_id=? ORDER BY turn", (first["session_id"],)
         ).fetchall()
     assert [t for (t,) in turns] == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(shutil.which("nvim") is None, reason="needs nvim (apt-get install neovim)")
+def test_a_decision_while_the_agent_runs_waits_for_the_end(tmp_path: Path) -> None:
+    slow = " ".join(f"word{i}" for i in range(300))  # ~2,600 characters at 1,000/s
+    turns = [TURNS[0], slow]
+    got, _, home = run_nvim(tmp_path, "nvim_review_running.lua", turns, cps=1000)
+    assert got["errors"] == [] and got["running_at_accept"] is True
+    assert got["queued"] == 2  # calc.py and test_calc.py, held until the request ended
+    with sqlite3.connect(home / "traces.db") as db:
+        rows = db.execute(
+            "SELECT DISTINCT path, decision FROM edits WHERE session_id=?",
+            (got["result"]["session_id"],),
+        ).fetchall()
+    assert sorted(rows) == [("calc.py", "accept"), ("test_calc.py", "accept")]

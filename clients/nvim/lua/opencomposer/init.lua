@@ -47,6 +47,7 @@ M.state = {
   session_id = nil, -- the latest session
   conversation = nil, -- the session the next request continues (nil: a new one)
   running = {}, -- session_id -> true while it runs
+  queued = {}, -- decisions on files of a running session: {session_id, path, decision}
   results = {}, -- session_id -> the ask result
   buf = nil, -- the session buffer
 }
@@ -166,6 +167,7 @@ function M.render(ev)
     review.promote(ev.session_id, ev.path)
   elseif t == "session_end" then
     M.state.running[ev.session_id] = nil
+    M.flush_decisions(ev.session_id)
     append({
       string.format("— %s: %d turns, %d tool calls, %.1fs", ev.status, ev.turns or 0, ev.tool_calls or 0, ev.duration_s or 0),
       "  trace " .. tostring(ev.trace),
@@ -399,9 +401,26 @@ local function quietly(command, argument, on_result)
   end)
 end
 
--- The trace records the user's decision on a file (review.lua settles files).
+-- The trace records the user's decision on a file (review.lua settles files). The
+-- server takes decisions on finished requests only: until then they wait.
 function M.decide(session_id, path, decision)
+  if M.state.running[session_id] then
+    table.insert(M.state.queued, { session_id, path, decision })
+    return
+  end
   quietly("opencomposer.decide", { session_id = session_id, path = path, decision = decision })
+end
+
+function M.flush_decisions(session_id)
+  local queued = M.state.queued
+  M.state.queued = {}
+  for _, d in ipairs(queued) do
+    if d[1] == session_id then
+      M.decide(d[1], d[2], d[3])
+    else
+      table.insert(M.state.queued, d)
+    end
+  end
 end
 
 -- -- commands ----------------------------------------------------------------------
