@@ -393,6 +393,7 @@ class TrainerRank:
         self.sent: dict[str, torch.Tensor] | None = None  # rank 0: the weights last sent
         self.sent_version = 0
         self.sizes: dict[str, int] = {}
+        self.strategy = "ddp"
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port on its node."""
@@ -427,8 +428,11 @@ class TrainerRank:
         )
         self.trainer = Trainer.from_pretrained(folder, config, with_reference=with_reference)
         self.trainer.distribute(_wrapper(strategy, backend), self.world_size)
-        if self.rank == 0:
-            self.sent, self.sent_version = bf16_state(self.trainer.model), 0
+        self.strategy = strategy
+        if self.rank == 0 or strategy == "fsdp2":  # under FSDP2 the gather is collective
+            sent = bf16_state(self.trainer.model)
+            if self.rank == 0:
+                self.sent, self.sent_version = sent, 0
         return {**where(), "rank": self.rank, "backend": dist.get_backend()}
 
     def step(
@@ -437,6 +441,10 @@ class TrainerRank:
         stats = self.trainer.step(samples, totals=totals, micro_batches=micro_batches)
         stats["version"] = float(self.trainer.version)
         return stats
+
+    def gather(self) -> None:
+        """Ranks > 0 under FSDP2: join the all-gather of rank 0's ``payload``."""
+        bf16_state(self.trainer.model)
 
     def payload(self, delta: bool) -> WeightPayload:
         """Rank 0: the current weights as a payload against the ones sent last."""
@@ -470,16 +478,64 @@ class TrainerRank:
         return h.hexdigest()
 
     def save(self, folder: str, extra: dict[str, Any], prompt_style: str | None) -> str:
+        """Rank 0 writes the checkpoint; under FSDP2 every rank first joins the gather
+        of the full model and optimizer state."""
+        model_state = optimizer_state = None
+        if self.strategy == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            policy, optimizer = self.trainer.policy, self.trainer.optimizer
+            full = get_model_state_dict(policy, options=opts)  # names under PolicyHead.model
+            model_state = {k.removeprefix("model."): v for k, v in full.items()}
+            optimizer_state = get_optimizer_state_dict(policy, optimizer, options=opts)
         if self.rank == 0:
             self.trainer.prompt_style = prompt_style
-            self.trainer.save(Path(folder), extra=extra)
+            self.trainer.save(
+                Path(folder),
+                extra=extra,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+            )
         return folder
 
     def load(self, folder: str) -> dict[str, Any]:
-        extra = self.trainer.load(Path(folder))
+        if self.strategy == "fsdp2":
+            extra = self._load_full(Path(folder))
+        else:
+            extra = self.trainer.load(Path(folder))
         if self.rank == 0:
             self.sent, self.sent_version = None, self.trainer.version  # replicas need it whole
         return extra
+
+    def _load_full(self, folder: Path) -> dict[str, Any]:
+        """FSDP2: every rank reads the full checkpoint and keeps its shards."""
+        from opencomposer.training.trainer import STATE_FILE
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        names = set(self.trainer.policy.state_dict())
+        full = {f"model.{k}": v for k, v in weights.items() if f"model.{k}" in names}
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.trainer.policy, full, options=opts)
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+        set_optimizer_state_dict(
+            self.trainer.policy, self.trainer.optimizer, state["optimizer"], options=opts
+        )
+        self.trainer.step_count = int(state["step"])
+        self.trainer.version = int(state["version"])
+        return dict(state.get("extra") or {})
 
     def info(self) -> dict[str, Any]:
         return {**where(), "rank": self.rank, "version": self.trainer.version}
@@ -1000,6 +1056,8 @@ class Cluster:
 
         t0 = time.perf_counter()
         payload = self.ranks[0].payload.remote(self.delta)
+        if self.section.strategy == "fsdp2":  # gathering the shards is collective
+            await self.on_ranks("gather", lambda i: (), what="weight sync", ranks=self.ranks[1:])
         sizes = await self.ranks[0].payload_sizes.remote()  # actor calls run in order
 
         async def one(slot: Slot) -> int:
@@ -1031,10 +1089,16 @@ class Cluster:
     # -- trainer ranks -----------------------------------------------------------------
 
     async def on_ranks(
-        self, method: str, args: Callable[[int], tuple[Any, ...]], *, what: str
+        self,
+        method: str,
+        args: Callable[[int], tuple[Any, ...]],
+        *,
+        what: str,
+        ranks: Sequence[Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on every rank; a dead rank is ``ClusterError`` (one line)."""
-        refs = [getattr(r, method).remote(*args(i)) for i, r in enumerate(self.ranks)]
+        chosen = self.ranks if ranks is None else ranks
+        refs = [getattr(r, method).remote(*args(i)) for i, r in enumerate(chosen)]
         return await self._ranks_result(refs, what)
 
     def on_ranks_blocking(

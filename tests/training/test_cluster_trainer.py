@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def config(**run):
+def config(strategy="ddp", **run):
     return parse_config(
         {
             "model": {"precision": "fp32"},
@@ -26,7 +26,7 @@ def config(**run):
             "rollout": {"group_size": 4, "groups_per_step": 2, "max_inflight": 2},
             "tasks": {"heldout": ""},
             "run": {"progress": False, "checkpoint_every": 1, **run},
-            "cluster": {"trainer_ranks": 2, "trainer_cpus": 0.5},
+            "cluster": {"trainer_ranks": 2, "trainer_cpus": 0.5, "strategy": strategy},
         }
     )
 
@@ -55,10 +55,13 @@ def cluster_for(cfg, folder):
     )
 
 
-async def test_two_ranks_take_the_one_process_step_and_stay_identical(tiny):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+async def test_two_ranks_take_the_one_process_step_and_stay_identical(tiny, tmp_path, strategy):
     """Guards the loss normalisation over shards (and the padding of the rank with
-    fewer micro-batches): the averaged gradient is the full-batch gradient."""
-    cfg = config()
+    fewer micro-batches): the averaged gradient is the full-batch gradient. The
+    checkpoint of the ranks (gathered first under FSDP2) loads back to the same
+    weights."""
+    cfg = config(strategy)
     batch = samples()
     one = Trainer.from_pretrained(tiny, trainer_config(cfg))
     ref = one.step(batch)
@@ -72,6 +75,12 @@ async def test_two_ranks_take_the_one_process_step_and_stay_identical(tiny):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
         sums = await cluster.trainer.checksums()
         assert len(sums) == 2 and sums[0] == sums[1]
+        cluster.trainer.save(tmp_path / "ck", extra={"step": 1})
+        await cluster.trainer.step(samples(seed=1))
+        assert (await cluster.trainer.checksums())[0] != sums[0]
+        assert cluster.trainer.load(tmp_path / "ck") == {"step": 1}
+        assert cluster.trainer.version == 1
+        assert await cluster.trainer.checksums() == sums
     finally:
         await cluster.close()
 

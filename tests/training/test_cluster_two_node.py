@@ -20,10 +20,11 @@ from opencomposer.training.cluster import tiny_model_folder
 from opencomposer.training.cluster_local import LocalRayCluster
 from opencomposer.training.tasks import write_task
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-# reward 1 for an even-length answer: a random model's group gets mixed rewards
-VERIFY = "python -c \"import sys; sys.exit(len(open('.opencomposer/answer.txt').read()) % 2)\""
+# a coin flip: groups get mixed rewards, so steps train and weights move (the test is
+# about where things run and which weights they serve, not about learning)
+VERIFY = 'python -c "import random, sys; sys.exit(random.random() < 0.5)"'
 
 
 def write_suite(root: Path) -> Path:
@@ -137,4 +138,5 @@ def test_two_node_cluster_runs_three_rl_steps(tmp_path):
     sums = report["trainer_checksums"]
     assert len(sums) == 2 and sums[0] == sums[1]
     synced = [m for m in lines if "sync_bytes" in m]
-    assert synced and all(m["sync_full_bytes"] > 0 for m in synced)
+    assert synced and all(0 < m["sync_bytes"] <= m["sync_full_bytes"] for m in synced)
+    assert [m["weight_version"] for m in lines] == sorted(m["weight_version"] for m in lines)
