@@ -19,7 +19,6 @@ refuses an adapter trained on other weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -28,14 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opencomposer.agent.backends.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    fingerprint,
+    merge_adapter,
+    read_adapter,
+)
 
-ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_CONFIG = "adapter.json"
+LoraError = AdapterError  # one name for both: a bad adapter, in training or at load time
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraError", "merge_adapter", "read_adapter"]
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be applied; one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,16 +150,6 @@ def load_adapter_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
         raise LoraError(f"adapter misses {len(missing)} tensors, e.g. {sorted(missing)[0]}")
 
 
-def fingerprint(state: dict[str, torch.Tensor], names: Iterable[str]) -> str:
-    """A short hash of the base weights an adapter applies to (those layers only)."""
-    h = hashlib.sha256()
-    for name in sorted(names):
-        t = state[name].detach().to(torch.float32).contiguous()
-        h.update(name.encode())
-        h.update(t.numpy().tobytes()[: 1 << 16])  # the first 64 KiB of each: enough to tell
-    return h.hexdigest()[:16]
-
-
 def save_adapter(
     model: torch.nn.Module, folder: Path, *, extra: dict[str, Any] | None = None
 ) -> Path:
@@ -180,41 +174,3 @@ def save_adapter(
     save_file(tensors, str(folder / ADAPTER_WEIGHTS))
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
     return folder
-
-
-def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(meta, tensors)`` of a saved adapter; LoraError (one line) when unusable."""
-    from safetensors.torch import load_file
-
-    try:
-        meta = json.loads((folder / ADAPTER_CONFIG).read_text())
-        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    except FileNotFoundError as e:
-        raise LoraError(f"{folder}: no adapter ({e.filename} missing)") from None
-    except (ValueError, OSError) as e:
-        raise LoraError(f"{folder}: unreadable adapter: {e}") from None
-    if not isinstance(meta, dict) or not {"rank", "alpha"} <= meta.keys():
-        raise LoraError(f"{folder / ADAPTER_CONFIG}: expected rank and alpha")
-    return meta, tensors
-
-
-def merge_adapter(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
-    """``state`` (a plain HF state dict) with the adapter in ``folder`` folded in, in
-    the state's dtypes. Refuses an adapter whose layers or base weights do not match."""
-    meta, tensors = read_adapter(folder)
-    scale = float(meta["alpha"]) / int(meta["rank"])
-    layers = sorted({k.rpartition(".")[0] for k in tensors})
-    names = [f"{layer}.weight" for layer in layers]
-    absent = [n for n in names if n not in state]
-    if absent:
-        raise LoraError(f"adapter layer {absent[0]} is not in the base model")
-    want = meta.get("base_fingerprint")
-    if want and fingerprint(state, names) != want:
-        raise LoraError(f"{folder}: adapter was trained on other base weights")
-    out = dict(state)
-    for layer, name in zip(layers, names, strict=True):
-        a = tensors[f"{layer}.lora_a"].to(torch.float32)
-        b = tensors[f"{layer}.lora_b"].to(torch.float32)
-        w = state[name]
-        out[name] = (w.to(torch.float32) + (b @ a) * scale).to(w.dtype)
-    return out

@@ -99,3 +99,35 @@ def test_the_embedded_config_trains_adapters_on_the_corpus():
     assert cfg.tasks.suite == "corpus:train" and cfg.model.path == "smollm2-base"
     assert cfg.rollout.max_turns == 8 and cfg.sft.source == "demos"
     assert trainer_config(cfg).lora_rank == cfg.optim.lora_rank > 0
+
+
+def test_ship_copies_the_adapter_and_writes_the_card(tmp_path):
+    import json
+
+    from opencomposer.training.ship import ShipError, ship
+
+    run = tmp_path / "run"
+    tr = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+    tr.sft_step(_samples())
+    tr.save(run / "checkpoints" / "step_0")
+    tr.sft_step(_samples())
+    tr.save(run / "checkpoints" / "step_2")
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "phase": "warmup1", "time": 100.0, "train_s": 3.0}\n'
+        '{"step": 2, "time": 160.0, "rollout_s": 40.0, "train_s": 5.0}\n'
+    )
+    held = tmp_path / "heldout.json"
+    held.write_text('{"models": {"base": {"resolve_rate": 0.0}}}')
+    card = ship(run, heldout=held, dest=tmp_path / "shipped")
+    assert card["checkpoint"] == "step_2" and card["wall_s"] == 60.0
+    assert card["phases"] == {
+        "warmup1": {"steps": 1, "seconds": 3.0},
+        "rl": {"steps": 1, "seconds": 45.0},
+    }
+    assert card["heldout"]["models"]["base"]["resolve_rate"] == 0.0
+    assert len(card["corpus_manifest"]["sha256"]) == 16 and "[sft]" in card["config"]["text"]
+    on_disk = json.loads((tmp_path / "shipped" / "model_card.json").read_text())
+    assert on_disk["adapter"]["sha256"] == card["adapter"]["sha256"]
+    assert (tmp_path / "shipped" / "adapter.safetensors").is_file()
+    with pytest.raises(ShipError, match="no checkpoint with a LoRA adapter"):
+        ship(tmp_path / "empty", dest=tmp_path / "x")

@@ -1,0 +1,214 @@
+"""Held-out figures of the embedded policy: the untrained base, SFT only, and SFT + RL.
+
+Each model runs the same sample of held-out corpus tasks (projects never trained on,
+`configs/corpus.toml` split = "heldout"), spread round-robin over those projects,
+through `opencomposer bench` (the production agent, sandboxed workspaces, each task's
+own tests as the verdict) with a budget of `--max-turns` turns per episode. It prints
+one table, from this one run, and writes it with a plot:
+
+    python benchmarks/heldout.py                      # base, the run's SFT and final checkpoints
+    python benchmarks/heldout.py --tasks 60 --max-turns 8 --run runs/embedded \\
+        --model base=smollm2-base --model shipped=smollm2
+
+Outputs under `--out` (default `docs/embedded/`): `heldout.json` (every model's
+`bench` report summary), `heldout.md` (the table), `heldout.png` (resolve rate with
+two standard errors, per model). Per-model bench folders (traces, per-task rows) go
+under `--work` (default `bench-heldout/`, not committed).
+
+Models default to `base=smollm2-base`, then `sft=vllm:RUN/checkpoints/step_0` (the warm
+start) and `sft+rl=vllm:RUN/checkpoints/step_N` (the newest) when `--run` has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_models(run: Path) -> list[tuple[str, str]]:
+    """(label, spec) of the run's warm-start and newest checkpoints, where present."""
+    root = run / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = sorted(
+        (p for p in root.glob("step_*") if (p / "config.json").is_file()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
+    out = []
+    if steps and steps[0].name == "step_0":
+        out.append(("sft", f"vllm:{steps[0]}"))
+    if steps and steps[-1].name != "step_0":
+        out.append(("sft+rl", f"vllm:{steps[-1]}"))
+    return out
+
+
+def sample_suite(n: int, seed: int, dest: Path) -> list[str]:
+    """Link a round-robin sample of `n` held-out corpus tasks into `dest`; their ids."""
+    from opencomposer.training.catalog import load_suite
+    from opencomposer.training.sft import spread
+
+    tasks = spread(load_suite("corpus:heldout"), n, seed)
+    if not tasks:
+        raise SystemExit("error: the corpus has no held-out tasks (build it first)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for t in tasks:
+        (dest / t.id).symlink_to(t.dir)
+    return sorted(t.id for t in tasks)
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "model",
+        "n_tasks",
+        "resolved",
+        "resolve_rate",
+        "resolve_rate_se",
+        "turns",
+        "tokens",
+        "tool_calls",
+        "parallel_calls_per_turn",
+        "edit_failures",
+        "statuses",
+        "duration_s",
+    )
+    out = {k: report.get(k) for k in keys}
+    projects: dict[str, list[int]] = {}
+    for row in report.get("tasks", []):
+        p = projects.setdefault(row.get("source", ""), [0, 0])
+        p[0] += int(bool(row["resolved"]))
+        p[1] += 1
+    out["per_project"] = {k: f"{a}/{b}" for k, (a, b) in sorted(projects.items())}
+    return out
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = [
+        "| model | resolved | resolve rate ± SE | turns | tokens | tool calls | parallel calls / turn | edit failures |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, s in rows:
+        n = s["n_tasks"] or 1
+        lines.append(
+            f"| {label} (`{s['model']}`) | {s['resolved']}/{s['n_tasks']} | "
+            f"{s['resolve_rate']:.1%} ± {s['resolve_rate_se']:.1%} | {s['turns']['mean']:.2f} | "
+            f"{s['tokens']['mean']:.0f} | {s['tool_calls']['mean']:.2f} | "
+            f"{s['parallel_calls_per_turn']:.2f} | {s['edit_failures'] / n:.2f} per task |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [label for label, _ in rows]
+    rates = [100 * s["resolve_rate"] for _, s in rows]
+    errs = [200 * s["resolve_rate_se"] for _, s in rows]
+    ax.bar(labels, rates, yerr=errs, capsize=6, color=["#999999", "#4c78a8", "#f58518"][: len(rows)])
+    for i, r in enumerate(rates):
+        ax.text(i, r + 0.5, f"{r:.1f}%", ha="center", va="bottom")
+    ax.set_ylabel("held-out resolve rate (%), ± 2 SE")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, max(10.0, max(r + e for r, e in zip(rates, errs, strict=True)) * 1.25))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=60, help="held-out tasks, spread over projects")
+    ap.add_argument("--max-turns", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--run", type=Path, default=ROOT / "runs" / "embedded")
+    ap.add_argument("--model", action="append", default=[], metavar="LABEL=SPEC")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "embedded")
+    ap.add_argument("--work", type=Path, default=ROOT / "bench-heldout")
+    a = ap.parse_args()
+
+    from opencomposer.training.bench import run_bench
+
+    models: list[tuple[str, str]] = []
+    for m in a.model:
+        label, sep, spec = m.partition("=")
+        if not sep or not label or not spec:
+            ap.error(f"--model {m!r}: expected LABEL=SPEC")
+        models.append((label, spec))
+    if not models:
+        models = [("base", "smollm2-base"), *run_models(a.run)]
+    suite = Path(tempfile.mkdtemp(prefix="heldout-"))
+    ids = sample_suite(a.tasks, a.seed, suite)
+    print(
+        f"held-out: {len(ids)} tasks, {a.max_turns} turns each; CPU {cpu_model()}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for label, spec in models:
+        t0 = time.perf_counter()
+        report = run_bench(
+            suite,
+            model=spec,
+            concurrency=a.concurrency,
+            max_turns=a.max_turns,
+            out=a.work / label.replace("+", "_"),
+        )
+        s = summary(report)
+        rows.append((label, s))
+        print(
+            f"{label:8} {spec}: {s['resolved']}/{s['n_tasks']} resolved "
+            f"({s['resolve_rate']:.1%} ± {s['resolve_rate_se']:.1%}) in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+    base = rows[0][1]["resolve_rate"]
+    print()
+    print(table(rows))
+    for label, s in rows[1:]:
+        diff = s["resolve_rate"] - base
+        se = (s["resolve_rate_se"] ** 2 + rows[0][1]["resolve_rate_se"] ** 2) ** 0.5
+        print(f"{label} vs {rows[0][0]}: {diff:+.1%} ({diff / se if se else 0:+.1f} standard errors)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"{len(ids)} held-out tasks, {a.max_turns} turns; {cpu_model()}, load "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    meta = {
+        "tasks": ids,
+        "max_turns": a.max_turns,
+        "seed": a.seed,
+        "cpu": cpu_model(),
+        "load": os.getloadavg()[0],
+        "models": {label: s for label, s in rows},
+    }
+    (a.out / "heldout.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (a.out / "heldout.md").write_text(f"{title}\n\n{table(rows)}\n")
+    plot(rows, a.out / "heldout.png", title)
+    print(f"wrote {a.out / 'heldout.md'}, heldout.json, heldout.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

