@@ -89,10 +89,10 @@ const edit = (p, o, n) => `<edit_file path="${p}">\n<old>${o}</old>\n<new>${n}</
 const SCRIPTS = {
   // Ask: parallel reads, two hunks in one file, a Markdown answer; then a follow-up turn.
   review: {
-    chars_per_second: 600,
+    chars_per_second: 1000,
     turns: [
-      "I'll read the cart and find its tests **together**:\n" +
-        '<read_file path="shop/cart.py"/>\n<grep pattern="subtotal" path="tests/"/>',
+      "I'll search, find the tests and read the cart **together**:\n" +
+        '<codebase_search query="cart subtotal quantity"/>\n<grep pattern="subtotal" path="tests/"/>\n<read_file path="shop/cart.py"/>',
       "`Cart.subtotal` ignores `quantity`. Fixing it, and the module docstring:\n" +
         edit("shop/cart.py", CART_OLD_SUBTOTAL, CART_NEW_SUBTOTAL) +
         "\n" +
@@ -155,6 +155,7 @@ function userSettings(dir, extra) {
     "editor.codeLens": true,
     "editor.minimap.enabled": false,
     "chat.commandCenter.enabled": false,
+    "remote.autoForwardPorts": false,
     "opencomposer.serverCommand": [PYTHON, "-m", "opencomposer.server.cli", "serve", "--stdio"],
     "opencomposer.approve": "safe",
     ...extra,
@@ -224,9 +225,22 @@ class Editor {
     });
   }
 
+  /** Run `command` from the command palette; returns the time Enter was pressed. */
   async palette(command) {
-    await this.page.keyboard.press("F1");
-    await this.page.waitForSelector(".quick-input-widget:not([style*='display: none']) input", { visible: true });
+    const widgetOpen = () =>
+      this.page.evaluate(() => {
+        const w = document.querySelector(".quick-input-widget");
+        return !!w && w.style.display !== "none" && getComputedStyle(w).display !== "none";
+      });
+    await until("no quick input open", async () => !(await widgetOpen()), 10_000);
+    await until("the command palette", async () => {
+      if (!(await widgetOpen())) await this.page.keyboard.press("F1");
+      await sleep(100);
+      return this.page.evaluate(() => {
+        const input = document.querySelector(".quick-input-widget input");
+        return input && document.activeElement === input && input.value.startsWith(">");
+      });
+    }, 20_000);
     await this.page.keyboard.type(command);
     await until(`command "${command}" in the palette`, () =>
       this.page.evaluate((c) => {
@@ -234,11 +248,13 @@ class Editor {
         return row && row.textContent.includes(c);
       }, command),
     );
+    const t = Date.now();
     await this.page.keyboard.press("Enter");
+    return t;
   }
 
   /** Type into an open quick input (input box or quick pick) and press Enter. */
-  async quickInput(text, expectPrompt) {
+  async quickInput(text, expectPrompt, expectRow) {
     await until(`quick input${expectPrompt ? ` "${expectPrompt}"` : ""}`, () =>
       this.page.evaluate((p) => {
         const w = document.querySelector(".quick-input-widget");
@@ -247,6 +263,14 @@ class Editor {
       }, expectPrompt || ""),
     );
     if (text) await this.page.keyboard.type(text);
+    if (expectRow) {
+      await until(`a quick pick row "${expectRow}"`, () =>
+        this.page.evaluate((r) => {
+          const row = document.querySelector(".quick-input-list .monaco-list-row.focused");
+          return row && row.textContent.includes(r);
+        }, expectRow),
+      );
+    }
     await this.page.keyboard.press("Enter");
   }
 
@@ -281,7 +305,7 @@ class Editor {
 
   async notifications() {
     return this.page.evaluate(() =>
-      [...document.querySelectorAll(".notifications-toasts .notification-toast, .notification-list-item")].map((n) => n.textContent),
+      [...document.querySelectorAll(".notification-list-item-message")].map((n) => n.textContent),
     );
   }
 
@@ -311,6 +335,47 @@ class Editor {
     throw new Error(`no CodeLens matching ${re}; lenses: ${JSON.stringify(await this.lenses())}`);
   }
 
+  /** Click `handle` with the mouse and time, on the page's clock, from the mousedown to
+   * the editor showing the result: fewer added-line decorations than `before`
+   * ("decorations"), or a buffer text other than `before` ("text"). */
+  async timedClick(handle, kind, before) {
+    await this.page.evaluate(
+      (kind, before) => {
+        const ed = () => document.querySelector(".editor-group-container.active .monaco-editor");
+        const decorations = () =>
+          [...ed().querySelectorAll(".view-overlays > div > div")].filter(
+            (d) => /\bced-/.test(d.className) && getComputedStyle(d).backgroundColor !== "rgba(0, 0, 0, 0)",
+          ).length;
+        const met = () => (kind === "decorations" ? decorations() < before : ed().querySelector(".view-lines").innerText !== before);
+        let t0;
+        window.addEventListener("mousedown", () => (t0 = performance.now()), { capture: true, once: true });
+        window.__ocTiming = new Promise((resolve) => {
+          const obs = new MutationObserver(() => {
+            if (t0 !== undefined && met()) {
+              obs.disconnect();
+              resolve(performance.now() - t0);
+            }
+          });
+          obs.observe(document.body, { subtree: true, childList: true, characterData: true, attributes: true });
+          setTimeout(() => (obs.disconnect(), resolve(-1)), 10_000);
+        });
+      },
+      kind,
+      before,
+    );
+    await handle.click();
+    const ms = await this.page.evaluate(() => window.__ocTiming);
+    if (ms < 0) throw new Error(`the editor did not show the ${kind} change within 10 s`);
+    return Math.round(ms * 10) / 10;
+  }
+
+  async lensHandle(re) {
+    for (const h of await this.page.$$(".editor-group-container.active .codelens-decoration a")) {
+      if (re.test(await h.evaluate((a) => a.textContent.trim()))) return h;
+    }
+    throw new Error(`no CodeLens matching ${re}; lenses: ${JSON.stringify(await this.lenses())}`);
+  }
+
   async addedLineDecorations() {
     // decorations render as view-overlay divs with a generated class; count whole-line
     // backgrounds carrying the inserted-line colour
@@ -329,7 +394,7 @@ class Editor {
     await this.page.keyboard.down("Control");
     await this.page.keyboard.press("KeyP");
     await this.page.keyboard.up("Control");
-    await this.quickInput(rel);
+    await this.quickInput(rel, "", path.basename(rel));
     await until(`${rel} open`, () =>
       this.page.evaluate((name) => {
         const tab = document.querySelector(".tabs-container .tab.active");
@@ -390,15 +455,16 @@ async function main() {
   );
   const metrics = { started: new Date().toISOString() };
   let browser;
+  let page;
   try {
     await until("code-server listening", () => fetch(`http://127.0.0.1:${port}/healthz`).then((r) => r.ok), 90_000, 250);
     browser = await puppeteer.launch({
       executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
       headless: true,
-      args: ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1600,1000"],
-      defaultViewport: { width: 1600, height: 1000 },
+      args: ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1800,1000"],
+      defaultViewport: { width: 1800, height: 1000 },
     });
-    const page = await browser.newPage();
+    page = await browser.newPage();
     page.on("pageerror", (e) => fs.appendFileSync(path.join(OUT, "page-errors.log"), `${e.message}\n`));
     const ed = new Editor(page);
     await page.goto(`http://127.0.0.1:${port}/?folder=${encodeURIComponent(ws)}`, { waitUntil: "domcontentloaded" });
@@ -408,6 +474,7 @@ async function main() {
     log("ok workbench and extension up:", await ed.statusItem());
 
     // --- Ask, streaming, panel -------------------------------------------------
+    await ed.palette("View: Toggle Primary Side Bar Visibility");
     await ed.openFile("shop/cart.py");
     await ed.palette("opencomposer: Ask");
     await ed.quickInput("The subtotal ignores quantities; fix Cart.subtotal.", "Ask opencomposer");
@@ -424,8 +491,8 @@ async function main() {
     log(`ok ask → first prose on screen ${metrics.first_text_on_screen_ms} ms after the model's first token (panel opened by this Ask)`);
     if (/<read_file|<edit_file|<grep/.test(review.text)) throw new Error("tool-call XML in the panel:\n" + review.text);
     if (!/<strong>together<\/strong>/.test(review.html) || !/<code>Cart\.subtotal<\/code>/.test(review.html)) throw new Error("prose is not rendered as Markdown");
-    if (!/calls in parallel/.test(review.text)) throw new Error("the two reads are not shown as parallel calls:\n" + review.text);
-    if (!/read_file/.test(review.text) || !/grep/.test(review.text) || !/edit_file/.test(review.text)) throw new Error("missing tool cards");
+    if (!/3 calls in parallel/.test(review.text)) throw new Error("the three calls are not shown as parallel:\n" + review.text);
+    if (!/codebase_search/.test(review.text) || !/read_file/.test(review.text) || !/grep/.test(review.text) || !/edit_file/.test(review.text)) throw new Error("missing tool cards");
     if (!/review\.json · turn 3 · .* ctx · .* out tokens · \d/.test(review.text)) throw new Error("status line missing: " + review.text);
     log("ok panel: Markdown prose without tool XML, parallel tool cards, status line");
 
@@ -436,13 +503,11 @@ async function main() {
     await ed.shot("inline-review");
     await ed.shot("panel");
     log("ok inline review: 2 hunks with Accept/Reject lenses, lines decorated");
-    let t0 = await ed.clickLens(/^✓ Accept/);
-    await until("the accepted hunk's lens gone", async () => (await ed.lenses()).filter((l) => /Accept \(/.test(l)).length === 1, 5000, 2);
-    metrics.hunk_accept_to_screen_ms = Date.now() - t0;
-    const shown = await ed.editorText();
-    t0 = await ed.clickLens(/^✗ Reject/);
-    await until("the rejected hunk's old line back in the buffer", async () => (await ed.editorText()) !== shown, 5000, 2);
-    metrics.hunk_reject_to_screen_ms = Date.now() - t0;
+    const decorated = await ed.addedLineDecorations();
+    metrics.hunk_accept_to_screen_ms = await ed.timedClick(await ed.lensHandle(/^✓ Accept/), "decorations", decorated);
+    await until("the accepted hunk's lens gone", async () => (await ed.lenses()).filter((l) => /Accept \(/.test(l)).length === 1, 5000);
+    const shown = await page.evaluate(() => document.querySelector(".editor-group-container.active .monaco-editor .view-lines").innerText);
+    metrics.hunk_reject_to_screen_ms = await ed.timedClick(await ed.lensHandle(/^✗ Reject/), "text", shown);
     log(`ok hunk accept → screen ${metrics.hunk_accept_to_screen_ms} ms, hunk reject → buffer on screen ${metrics.hunk_reject_to_screen_ms} ms`);
     const cartFile = path.join(ws, "shop/cart.py");
     await until("cart.py saved with one hunk accepted and the other rejected", () => {
@@ -456,7 +521,7 @@ async function main() {
     const frame = await ed.panelFrame();
     await frame.click("#input");
     await frame.type("#input", "Does total() need a change too?");
-    await frame.press("#input", "Enter");
+    await page.keyboard.press("Enter");
     const follow = await until("the follow-up's answer in the same session", async () => {
       const all = await ed.sessions();
       const s = all.find((x) => x.id === sid);
@@ -467,7 +532,16 @@ async function main() {
     log("ok follow-up continued session", sid);
 
     // --- Reject all, accept all (keybindings), undo session ------------------------
-    const setModel = (m) => userSettings(userData, { "opencomposer.model": m });
+    // The scenario's model: its "window.title" (the page's title) shows when VS Code
+    // has read the new model setting too.
+    const setModel = async (m) => {
+      const tag = path.basename(m, ".json");
+      // the workspace's settings file: code-server watches it (not the user settings file)
+      fs.mkdirSync(path.join(ws, ".vscode"), { recursive: true });
+      fs.writeFileSync(path.join(ws, ".vscode/settings.json"), JSON.stringify({ "opencomposer.model": m, "window.title": `${tag} · \${rootName}` }));
+      await until(`the settings with ${tag} read`, async () => (await page.title()).startsWith(tag), 60_000, 100);
+      await sleep(300); // the extension host hears of it just after the window
+    };
     const askNew = async (query) => {
       const before = (await ed.sessions()).length;
       await ed.palette("opencomposer: Ask");
@@ -484,8 +558,7 @@ async function main() {
     const warm = [];
     const afterReview = fs.readFileSync(cartFile, "utf8");
     const notes = path.join(ws, "NOTES.md");
-    setModel(models.twofiles);
-    await sleep(1500); // the settings file watcher
+    await setModel(models.twofiles);
     let s2 = await askNew("Fix subtotal and write notes.");
     if (!/twofiles\.json/.test(s2.text)) throw new Error("the model setting did not apply: " + s2.text);
     await until("two files under review", async () => fs.existsSync(notes) && fs.readFileSync(cartFile, "utf8").includes(CART_NEW_SUBTOTAL), 10_000);
@@ -520,8 +593,7 @@ async function main() {
     log("ok Undo Session reverted the whole session");
 
     // --- Cancel ----------------------------------------------------------------------
-    setModel(models.slow);
-    await sleep(1500);
+    await setModel(models.slow);
     const beforeCancel = (await ed.sessions()).length;
     await ed.palette("opencomposer: Ask");
     await ed.quickInput("Think for a long time.", "Ask opencomposer");
@@ -529,8 +601,7 @@ async function main() {
       const all = await ed.sessions();
       return all.length > beforeCancel && all[all.length - 1].data.firstTextWall;
     });
-    const tCancel = Date.now();
-    await ed.palette("opencomposer: Cancel");
+    const tCancel = await ed.palette("opencomposer: Cancel");
     const cancelled = await until("the session cancelled", async () => {
       const s = await ed.lastSession();
       return s.data.status === "cancelled" ? s : undefined;
@@ -546,15 +617,17 @@ async function main() {
       180_000, 200);
     await ed.shot("search");
     await page.keyboard.press("Enter");
-    await until("search opened the hit", () => page.evaluate(() => document.querySelector(".tabs-container .tab.active")?.textContent.includes("cart.py")));
+    await until("search opened the hit", () => page.evaluate(() => /cart\.py/.test(document.querySelector(".tabs-container .tab.active")?.textContent || "")));
+    await until("the opened hit focused", () => page.evaluate(() => !!document.activeElement?.closest(".editor-group-container.active .monaco-editor")));
+    await sleep(500);
     log("ok Search: results in a quick pick, Enter opens the hit");
 
     // --- Submit as training task -------------------------------------------------------
     await ed.palette("opencomposer: Submit Session as Training Task");
-    await ed.quickInput("The subtotal ignores quantities", "Session to submit");
+    await ed.quickInput("The subtotal ignores quantities", "Session to submit", "The subtotal ignores quantities");
     await ed.quickInput("python -m pytest -q", "Verify command");
     const submitted = await until("the task-written notification", async () => (await ed.notifications()).find((n) => /task written to/.test(n)), 60_000, 100);
-    const taskDir = submitted.match(/task written to (\S+)/)[1].replace(/[.,]$/, "");
+    const taskDir = submitted.match(/task written to (\S+)/)[1];
     if (!fs.existsSync(path.join(taskDir, "task.toml"))) throw new Error(`no task.toml in ${taskDir}`);
     log("ok Submit: task", taskDir);
 
@@ -567,8 +640,7 @@ async function main() {
       return p && p !== pid ? p : undefined;
     }, 30_000, 100);
     await until("the server running again", async () => /opencomposer$/.test((await ed.statusItem()) || ""), 30_000, 100);
-    setModel(models.hello);
-    await sleep(1500);
+    await setModel(models.hello);
     const hello = await askNew("Are you back?");
     if (!/restarted server answers/.test(hello.text)) throw new Error("no answer after the restart: " + hello.text);
     log(`ok crashed server (pid ${pid}) restarted (pid ${newPid}) and answers`);
@@ -590,8 +662,7 @@ async function main() {
     log("PASS: all steps");
   } catch (e) {
     try {
-      const pages = browser ? await browser.pages() : [];
-      if (pages[0]) await pages[0].screenshot({ path: path.join(OUT, "failure.png") });
+      if (page) await page.screenshot({ path: path.join(OUT, "failure.png") });
     } catch {}
     throw e;
   } finally {

@@ -225,6 +225,7 @@ function editorState() {
 async function ask(context: vscode.ExtensionContext, preset?: Record<string, unknown>, sessionId?: string) {
   let query = typeof preset?.query === "string" && !preset.uri ? preset.query : undefined;
   if (!query) {
+    showPanel(context); // it loads while the question is typed
     query = await vscode.window.showInputBox({
       prompt: "Ask opencomposer",
       value: typeof preset?.query === "string" ? preset.query : "",

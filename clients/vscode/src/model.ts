@@ -124,11 +124,12 @@ export class SessionStore {
         // (the calls show as tool items); `text` from servers that do not send it.
         const piece = typeof ev.prose === "string" ? ev.prose : String(ev.text);
         if (!piece) break;
-        s.firstProseT ??= ev.t;
         const last = s.items[s.items.length - 1];
         const turn = Number(ev.turn);
         if (last && last.kind === "text" && last.turn === turn) last.text += piece;
-        else s.items.push({ kind: "text", turn, text: piece });
+        else if (piece.trim()) s.items.push({ kind: "text", turn, text: piece.replace(/^\s*\n/, "") });
+        else break; // the newline between two calls: the calls stay one group
+        s.firstProseT ??= ev.t;
         break;
       }
       case "message":

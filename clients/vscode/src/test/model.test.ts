@@ -139,6 +139,7 @@ test("tool cards show arguments, duration and the folded result; overlapping cal
   const store = new SessionStore();
   store.apply(ev("session_start", { model: "m" }));
   store.apply({ ...ev("tool_start", { turn: 1, call_id: "a", name: "grep", args: { pattern: "def add" } }), t: 1.0 });
+  store.apply({ ...ev("model_delta", { turn: 1, text: "\n", prose: "\n" }), t: 1.005 });
   store.apply({ ...ev("tool_start", { turn: 1, call_id: "b", name: "read_file", args: { path: "calc.py" } }), t: 1.01 });
   store.apply({ ...ev("tool_end", { turn: 1, call_id: "b", name: "read_file", status: "ok", duration_s: 0.02, output: "1\tdef add\n2\t  pass" }), t: 1.03 });
   store.apply({ ...ev("tool_end", { turn: 1, call_id: "a", name: "grep", status: "ok", duration_s: 0.05, output: "calc.py:1:def add" }), t: 1.05 });
