@@ -369,7 +369,7 @@ class EpisodeWorker:
             task, model_spec_or_factory=model, session_config=session_config, traces=self.traces
         )
         self.episodes += 1
-        res.metrics = {**res.metrics, "node": where()["ip"]}
+        res.metrics = {**res.metrics, "node": where()["node"]}  # the Ray node id
         return res
 
     async def info(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def cluster_for(cfg, folder):
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 async def test_two_ranks_take_the_one_process_step_and_stay_identical(tiny, tmp_path, strategy):
     """Guards the loss normalisation over shards (and the padding of the rank with
     fewer micro-batches): the averaged gradient is the full-batch gradient. The

@@ -27,11 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 VERIFY = 'python -c "import random, sys; sys.exit(random.random() < 0.5)"'
 
 
-def write_suite(root: Path) -> Path:
+def write_suite(root: Path, n: int = 1) -> Path:
     repo = root / "repo"
-    repo.mkdir(parents=True)
+    repo.mkdir(parents=True, exist_ok=True)
     (repo / "README.md").write_text("A tiny workspace.\n")
-    write_task(root / "suite" / "say", query="Say anything.", verify=VERIFY, repo_dir=repo)
+    for i in range(n):
+        write_task(root / "suite" / f"say{i}", query="Say anything.", verify=VERIFY, repo_dir=repo)
     return root / "suite"
 
 
@@ -85,6 +86,20 @@ env_workers_per_node = 1
     )
 
 
+def run_bench_on(address: str, root: Path, env: dict) -> dict:
+    """`opencomposer bench --cluster ADDRESS` with a scripted model on six tasks."""
+    suite = write_suite(root / "bench", n=6)
+    script = root / "turns.json"
+    script.write_text(json.dumps({"turns": ["Done."], "chars_per_second": 0}))
+    out = root / "bench-out"
+    cmd = [sys.executable, "-m", "opencomposer.server.cli", "bench", "--tasks", str(suite)]
+    cmd += ["--model", f"scripted:{script}", "--cluster", address, "--out", str(out)]
+    cmd += ["--concurrency", "6"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
 def test_two_node_cluster_runs_three_rl_steps(tmp_path):
     model = tiny_model_folder(tmp_path / "model")
     suite = write_suite(tmp_path)
@@ -110,6 +125,9 @@ def test_two_node_cluster_runs_three_rl_steps(tmp_path):
                 proc.kill()
             log.close()
         assert rc == 0, (tmp_path / "train.log").read_text()[-3000:]
+        bench = run_bench_on(ray_nodes.address, tmp_path, ray_nodes.env)
+    # bench --cluster spread its episodes over the nodes' workers
+    assert len(bench["tasks"]) == 6 and bench["nodes"] >= 2, bench
 
     report = json.loads((out / "cluster.json").read_text())
     label = {
