@@ -1158,6 +1158,7 @@ def build_corpus(
         if done and not force and done.get("key") == key and done["status"] != "error":
             continue
         todo.append(spec)
+    todo = _interleave_splits(todo)
     t0 = time.monotonic()
     say(
         f"corpus: {len(specs) - len(todo)} of {len(specs)} projects already built; building {len(todo)} with {jobs} job(s)"
@@ -1200,6 +1201,26 @@ def build_corpus(
         f"projects ({report['totals']['heldout_tasks']} held out) → {out / 'report.md'}"
     )
     return report
+
+
+def _interleave_splits(specs: list[ProjectSpec]) -> list[ProjectSpec]:
+    """The build order: the splits taken in turn, in proportion to their sizes (each in
+    manifest order), so a build that stops early has tasks of every split."""
+    by_split: dict[str, list[ProjectSpec]] = {}
+    for spec in specs:
+        by_split.setdefault(spec.split, []).append(spec)
+    total = len(specs)
+    out: list[ProjectSpec] = []
+    taken = dict.fromkeys(by_split, 0)
+    while len(out) < total:
+        # the split furthest behind its share of what is ordered so far goes next
+        split = min(
+            (s for s in by_split if taken[s] < len(by_split[s])),
+            key=lambda s: (taken[s] + 1) / len(by_split[s]),
+        )
+        out.append(by_split[split][taken[split]])
+        taken[split] += 1
+    return out
 
 
 def _read_record(project_dir: Path) -> dict[str, Any] | None:

@@ -350,3 +350,15 @@ def test_foreign_addopts_are_stripped_the_rest_kept(
     )
     assert (tmp_path / name).read_text() == expected
     assert corpus.strip_foreign_addopts([tmp_path], known) == []  # nothing left to strip
+
+
+def test_build_order_takes_the_splits_in_turn() -> None:
+    specs = [corpus.ProjectSpec(name=f"t{i}", split="train") for i in range(8)] + [
+        corpus.ProjectSpec(name=f"h{i}", split="heldout") for i in range(2)
+    ]
+    order = [s.name for s in corpus._interleave_splits(specs)]
+    assert sorted(order) == sorted(s.name for s in specs)
+    assert order.index("h0") < 5 and order.index("h1") < 10
+    assert [n for n in order if n.startswith("t")] == [f"t{i}" for i in range(8)]
+    # a build stopped after any prefix of half or more has both splits
+    assert {n[0] for n in order[:5]} == {"t", "h"}
