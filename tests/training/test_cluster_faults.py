@@ -13,7 +13,7 @@ from opencomposer.training.rollouts import RolloutScheduler, SchedulerConfig, bu
 from opencomposer.training.sessions import session_config
 from opencomposer.training.tasks import load_task, write_task
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 VERIFY = "python -c \"import sys; sys.exit(len(open('.opencomposer/answer.txt').read()) % 2)\""
 
