@@ -482,6 +482,7 @@ async function main() {
       const s = await ed.lastSession();
       return s && s.data.firstTextWall ? s : undefined;
     }, STEP_TIMEOUT, 10);
+    if (first.data.status !== "running") throw new Error("the first prose showed only after the session ended: not streamed");
     const review = await until("the session to complete", async () => {
       const s = await ed.lastSession();
       return s && s.data.status === "completed" ? s : undefined;
@@ -631,10 +632,22 @@ async function main() {
     if (!fs.existsSync(path.join(taskDir, "task.toml"))) throw new Error(`no task.toml in ${taskDir}`);
     log("ok Submit: task", taskDir);
 
-    // --- A crashed server restarts -----------------------------------------------------
+    // --- A crashed server restarts ---------------------------------------------------
+    // (the model is still the slow one: kill the server in the middle of a session)
+    const beforeCrash = (await ed.sessions()).length;
+    await ed.palette("opencomposer: Ask");
+    await ed.quickInput("Think for a long time, again.", "Ask opencomposer");
+    await until("the slow session streaming", async () => {
+      const all = await ed.sessions();
+      return all.length > beforeCrash && all[all.length - 1].data.firstTextWall;
+    });
     const pid = await until("the language server's process", () => serverPid(cs.pid), 10_000);
     process.kill(pid, "SIGKILL");
-    await until("the status bar to notice", async () => !/^\W*opencomposer$/.test((await ed.statusItem()) || ""), 15_000, 20).catch(() => {});
+    const crashed = await until("the session marked disconnected", async () => {
+      const s = await ed.lastSession();
+      return s.data.status === "disconnected" ? s : undefined;
+    }, 15_000);
+    if (!/server stopped/.test(crashed.text)) throw new Error("no note about the stopped server: " + crashed.text);
     const newPid = await until("a new server process", () => {
       const p = serverPid(cs.pid);
       return p && p !== pid ? p : undefined;
@@ -647,6 +660,13 @@ async function main() {
     await ed.shot("final");
 
     metrics.first_text_on_screen_ms_panel_open = warm;
+    metrics.what = {
+      first_text_on_screen_ms: "first Ask (the panel opens with its question box): the model's first prose token on the server to that text in the panel's DOM",
+      first_text_on_screen_ms_panel_open: "the same for later Asks, the panel already open (the last one: the first session of a restarted server)",
+      hunk_accept_to_screen_ms: "mousedown on a hunk's Accept lens to its added-line decoration gone from the editor",
+      hunk_reject_to_screen_ms: "mousedown on a hunk's Reject lens to the old line back in the editor's text",
+      cancel_to_panel_ms: "Enter on opencomposer: Cancel in the palette to the panel showing the session cancelled",
+    };
     metrics.cpu = (fs.readFileSync("/proc/cpuinfo", "utf8").match(/model name\s*:\s*(.*)/) || [])[1];
     metrics.cores = os.cpus().length;
     metrics.loadavg = os.loadavg().map((x) => Math.round(x * 100) / 100);

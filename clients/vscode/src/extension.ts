@@ -185,7 +185,8 @@ async function execute(command: string, arg: Record<string, unknown>): Promise<a
   try {
     return await client.sendRequest("workspace/executeCommand", { command, arguments: [arg] });
   } catch (e: any) {
-    vscode.window.showErrorMessage(`opencomposer: ${e?.message ?? e}`);
+    // a server that died mid-request: the panel already says so, and it restarts
+    if (serverState === "running") vscode.window.showErrorMessage(`opencomposer: ${e?.message ?? e}`);
     return undefined;
   }
 }

@@ -213,6 +213,7 @@ export class SessionStore {
   /** Record the user's accept/reject of one file's edits. */
   decide(sessionId: string, path: string, decision: "accept" | "reject"): void {
     const s = this.sessions.get(sessionId);
+    for (const item of s?.items ?? []) if (item.kind === "edit" && item.edit.path === path) item.edit.decision = decision;
     const edit = s?.edits.get(path);
     if (edit) edit.decision = decision;
   }

@@ -79,8 +79,11 @@ test("the panel escapes model text and offers accept/reject per edited file", ()
   assert.match(html, /data-decision="accept"/);
   assert.match(html, /data-decision="reject"/);
   assert.match(html, /<div class="d-add">\+x &lt; y<\/div>/);
+  store.apply(ev("edit", { path: "calc.py", diff: "+z\n" })); // a second edit of the file
   store.decide(sid, "calc.py", "reject");
-  assert.match(renderSession(store.get(sid)!), /rejected/);
+  const after = renderSession(store.get(sid)!);
+  assert.equal(after.match(/rejected/g)?.length, 2); // every card of the file
+  assert.ok(!after.includes('data-decision="accept"'));
 });
 
 test("askArguments builds the docs/lsp.md argument object", () => {
