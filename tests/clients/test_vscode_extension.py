@@ -1,5 +1,7 @@
-"""The VS Code extension: its pure logic under node's test runner, and (slow) the
-whole `make vsix` build from a clean npm install to a packaged .vsix."""
+"""The VS Code extension: its pure logic under node's test runner (session store,
+panel rendering, inline review's line diff), and (slow) the whole `make vsix` build
+from a clean npm install to a packaged .vsix. The extension in a real VS Code is
+tests/e2e/test_vscode_e2e.py (`make e2e-vscode`)."""
 
 from __future__ import annotations
 
@@ -39,5 +41,11 @@ def test_make_vsix_packages_the_extension() -> None:
         "extension/package.json",
         "extension/out/extension.js",
         "extension/out/model.js",
+        "extension/out/panel.js",
+        "extension/out/inline.js",
+        "extension/out/review.js",
     } <= names
     assert any(n.startswith("extension/node_modules/vscode-languageclient/") for n in names)
+    # the panel renders Markdown with markdown-it, so it must travel in the package
+    assert any(n.startswith("extension/node_modules/markdown-it/") for n in names)
+    assert not any(n.startswith("extension/out/test/") for n in names)

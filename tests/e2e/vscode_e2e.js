@@ -654,9 +654,22 @@ async function main() {
     }, 30_000, 100);
     await until("the server running again", async () => /opencomposer$/.test((await ed.statusItem()) || ""), 30_000, 100);
     await setModel(models.hello);
-    const hello = await askNew("Are you back?");
+    // a new session from the panel: "New session", then the input box
+    const panel = await ed.panelFrame();
+    const beforeNew = (await ed.sessions()).length;
+    await panel.click("#new");
+    await until("the input box targets a new session", () => panel.evaluate(() => document.getElementById("target-label").textContent === "New session"));
+    await panel.click("#input");
+    await panel.type("#input", "Are you back?");
+    await page.keyboard.press("Enter");
+    const hello = await until("the new session's answer", async () => {
+      const all = await ed.sessions();
+      const s = all[all.length - 1];
+      return all.length > beforeNew && s.data.status === "completed" ? s : undefined;
+    });
+    warm.push(firstTextLatency(home, hello));
     if (!/restarted server answers/.test(hello.text)) throw new Error("no answer after the restart: " + hello.text);
-    log(`ok crashed server (pid ${pid}) restarted (pid ${newPid}) and answers`);
+    log(`ok crashed server (pid ${pid}) restarted (pid ${newPid}) and answers a new session started from the panel`);
     await ed.shot("final");
 
     metrics.first_text_on_screen_ms_panel_open = warm;
