@@ -327,7 +327,7 @@ class EpisodeWorker:
         self.env = EnvironmentServer(EnvConfig(num_actors=num_actors))
         self.tokenizer_path = tokenizer_path
         self.episodes = 0
-        self.traces: Any = None  # benchmark episodes' trace store (run_spec)
+        self.traces: Any = None  # the episodes' trace store (``_traces``)
 
     async def start(self) -> dict[str, Any]:
         await self.env.start()
@@ -340,11 +340,15 @@ class EpisodeWorker:
         replica: Any,
         meta: dict[str, Any],
         to_rollout: Callable[[Any], Any],
+        traces_dir: str = "",
     ) -> tuple[Any, bool, dict[str, Any]]:
         """One training episode; (rollout, whether its sampler replica died, where)."""
         client = ReplicaClient(replica, meta, self.tokenizer_path)
         res = await self.env.run_episode(
-            task, model_spec_or_factory=client, session_config=session_config
+            task,
+            model_spec_or_factory=client,
+            session_config=session_config,
+            traces=self._traces(traces_dir),
         )
         self.episodes += 1
         return to_rollout(res), client.died, where()
@@ -358,6 +362,18 @@ class EpisodeWorker:
         start = getattr(model, "start", None)
         if start is not None:
             await start()
+        res = await self.env.run_episode(
+            task,
+            model_spec_or_factory=model,
+            session_config=session_config,
+            traces=self._traces(traces_dir),
+        )
+        self.episodes += 1
+        res.metrics = {**res.metrics, "node": where()["node"]}  # the Ray node id
+        return res
+
+    def _traces(self, traces_dir: str) -> Any:
+        """This worker's trace store, ``traces_dir/traces-<node ip>-<pid>.db`` on its node."""
         if traces_dir and self.traces is None:
             from opencomposer.agent.traces import TraceStore
 
@@ -365,12 +381,7 @@ class EpisodeWorker:
             path = Path(traces_dir) / f"traces-{here['ip']}-{here['pid']}.db"
             path.parent.mkdir(parents=True, exist_ok=True)
             self.traces = TraceStore(path)
-        res = await self.env.run_episode(
-            task, model_spec_or_factory=model, session_config=session_config, traces=self.traces
-        )
-        self.episodes += 1
-        res.metrics = {**res.metrics, "node": where()["node"]}  # the Ray node id
-        return res
+        return self.traces
 
     async def info(self) -> dict[str, Any]:
         return {**where(), "episodes": self.episodes}
@@ -804,6 +815,7 @@ class Cluster:
             strategy=c.trainer_placement.upper(),
         )
         self.delta = c.weight_delta  # the benchmark compares whole and delta broadcasts
+        self.traces_dir = ""  # set: each worker writes its episodes' traces there
         self.backend = c.backend if c.backend != "auto" else ("nccl" if c.trainer_gpus else "gloo")
         self.replicas: list[Slot] = []
         self.workers: list[Slot] = []
@@ -974,7 +986,12 @@ class Cluster:
             worker.inflight += 1
             try:
                 rollout, died, _ = await worker.handle.run.remote(
-                    task, session_config, replica.handle, self.meta, self.to_rollout
+                    task,
+                    session_config,
+                    replica.handle,
+                    self.meta,
+                    self.to_rollout,
+                    self.traces_dir,
                 )
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
                 last = f"environment worker died: {_one_line(e)}"

@@ -23,7 +23,9 @@ run on the environment server's Ray actors; the agent session loop runs here on
 the event loop, many episodes at once. With a ``[cluster]`` section the same loop
 drives Ray actors instead: sampler replicas, trainer ranks and per-node episode
 workers (``training/cluster.py``); the run folder then also gets ``cluster.json``
-(where each role ran, the replicas' versions, the ranks' weight checksums).
+(where each role ran, the replicas' versions, the ranks' weight checksums), and the
+episodes' traces are in ``traces-<node ip>-<pid>.db``, one per episode worker, each
+written on its worker's node.
 
 Run: ``opencomposer train --config configs/starter.toml [--max-steps N] [--out DIR] [--sft]``.
 """
@@ -493,6 +495,7 @@ async def train_on_cluster(
         to_rollout=rollout_from_episode,
         trainer_config=trainer_config(cfg),
     )
+    cluster.traces_dir = str(out.resolve())  # traces-<node>-<pid>.db, on each worker's node
     try:
         await cluster.start()
         run = Run(
