@@ -22,6 +22,13 @@ Transports:
   ``finish_weight_update(weight_version=…)`` stamping the version engine-side.
   ``NcclTransport`` wraps that; ``WeightSync`` uses it when given one.
 
+- **Many replicas** (``[cluster]``, ``training/cluster.py``): ``ReplicaSet`` is the
+  receiver; trainer rank 0 sends a delta of the bf16 weights (or them whole) through
+  Ray's object store to every sampler replica under one version, and the versions
+  are read back (a disagreement is ``SamplerLagError``). ``benchmarks/cluster.py
+  --gpu`` drives the NCCL path above into replica actors (vLLM's weight-transfer
+  RPCs, forwarded by ``SamplerReplica``).
+
 Abort/resume of partial rollouts: ``VersionedModel`` wraps the sampler model.
 While weights are being replaced no new turn starts; a turn that was generating
 when new weights arrived is (with ``abort_in_flight``) cancelled and generated
