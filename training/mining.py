@@ -967,9 +967,12 @@ PYPI_LIBRARIES: dict[str, dict[str, str]] = {
 
 
 def fetch_sdist(name: str, dest: Path) -> Path:
-    """Download and unpack `name`'s sdist (PyPI, `pip download --no-binary :all: --no-deps`)."""
+    """Download and unpack `name`'s sdist (PyPI, `pip download --no-binary PROJECT
+    --no-deps`: the project as source, its build backend as a wheel where one exists,
+    since some backends, e.g. uv_build, cannot be built from source here)."""
     dest.mkdir(parents=True, exist_ok=True)
     dl = dest / "download"
+    project = re.split(r"[\s\[=<>!~;]", name.strip(), maxsplit=1)[0]
     proc = subprocess.run(
         [
             sys.executable,
@@ -978,7 +981,7 @@ def fetch_sdist(name: str, dest: Path) -> Path:
             "download",
             "-q",
             "--no-binary",
-            ":all:",
+            project,
             "--no-deps",
             name,
             "-d",
