@@ -25,6 +25,7 @@ R.write = function(_, _) end -- (bufnr, was_clean)
 R.on_change = nil -- called after every review change (tests, statuslines)
 
 local api = vim.api
+local diff = (vim.text and vim.text.diff) or vim.diff -- vim.diff before Neovim 0.11
 
 local function fname(path)
   return R.root .. "/" .. path
@@ -84,7 +85,7 @@ function R.hunks(path)
   end
   local out = {}
   local current = api.nvim_buf_get_lines(buf, 0, -1, false)
-  for _, h in ipairs(vim.diff(text(f.baseline), text(current), { result_type = "indices" })) do
+  for _, h in ipairs(diff(text(f.baseline), text(current), { result_type = "indices" })) do
     local na, nb = h[2], h[4]
     table.insert(out, {
       a = na > 0 and h[1] or h[1] + 1,
