@@ -72,6 +72,17 @@ local ok, err = pcall(function()
   out.marks = marks(calc, oc.review.ns)
   out.split = lines(oc.state.buf)
 
+  -- <CR> on the split's "✎ calc.py" line opens the file at its first hunk
+  local split_win = vim.fn.bufwinid(oc.state.buf)
+  vim.api.nvim_set_current_win(split_win)
+  for i, line in ipairs(lines(oc.state.buf)) do
+    if line == "✎ calc.py" then
+      vim.api.nvim_win_set_cursor(split_win, { i, 0 })
+    end
+  end
+  vim.api.nvim_feedkeys(vim.api.nvim_replace_termcodes("<CR>", true, false, true), "x", false)
+  out.opened = { vim.api.nvim_get_current_buf() == calc, vim.api.nvim_win_get_cursor(0)[1] }
+
   -- 2. reject the first hunk with the buffer-local mapping, accept the second by command
   vim.api.nvim_win_set_cursor(0, { 2, 0 })
   vim.api.nvim_feedkeys(",r", "x", false)

@@ -106,6 +106,7 @@ def test_review_hunks_files_follow_ups_and_undo(tmp_path: Path) -> None:
     split = "\n".join(got["split"])
     assert "Fixing both." in split and "<edit_file" not in split  # prose, not XML
     assert "> fix add and mul" in split and "✎ calc.py" in split
+    assert got["opened"] == [True, 2]  # <CR> on "✎ calc.py": the file, at its first hunk
 
     # reject hunk 1 (mapping), ]h to hunk 2, accept it (command): one revert, one kept
     after = CALC.replace("a / b", "a * b").splitlines()

@@ -75,6 +75,27 @@ end
 
 -- -- the session split ---------------------------------------------------------
 
+-- <CR> on a "✎ path" line of the split: that file, at its first change under review.
+function M.open_edit()
+  local line = vim.api.nvim_get_current_line()
+  local path = line:match("^✎ (.+)$")
+  if not path then
+    return false
+  end
+  local others = vim.tbl_filter(function(w)
+    return w ~= vim.api.nvim_get_current_win() and vim.api.nvim_win_get_config(w).relative == ""
+  end, vim.api.nvim_tabpage_list_wins(0))
+  if #others > 0 then
+    vim.api.nvim_set_current_win(others[1])
+  end
+  vim.cmd("edit " .. vim.fn.fnameescape(M.config.root .. "/" .. path))
+  local first = review.hunks(path)[1]
+  if first then
+    vim.api.nvim_win_set_cursor(0, { math.max(1, first.nb > 0 and first.b or first.b - 1), 0 })
+  end
+  return true
+end
+
 local function session_buf()
   local buf = M.state.buf
   if buf and vim.api.nvim_buf_is_valid(buf) then
@@ -84,6 +105,8 @@ local function session_buf()
   vim.api.nvim_buf_set_name(buf, "opencomposer://session")
   vim.bo[buf].filetype = "opencomposer"
   vim.bo[buf].bufhidden = "hide"
+  vim.keymap.set("n", "<CR>", M.open_edit, { buffer = buf, desc = "opencomposer: open the edited file" })
+  vim.keymap.set("n", "q", "<cmd>close<CR>", { buffer = buf, desc = "opencomposer: close the session window" })
   M.state.buf = buf
   return buf
 end
