@@ -570,6 +570,18 @@ def _wrapper(strategy: str, backend: str) -> Callable[[torch.nn.Module], torch.n
 # -- placement ---------------------------------------------------------------------------
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """ClusterError (one line) for a HOST:PORT nothing answers on: ``ray.init`` would
+    retry it for minutes. "" and "auto" are Ray's to resolve."""
+    if not address or address == "auto" or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+
+
 def connect(address: str) -> None:
     """Join the cluster at ``address`` ("auto", "HOST:PORT") or start a local Ray ("")."""
     import ray
@@ -584,6 +596,7 @@ def connect(address: str) -> None:
         logging_level=logging.WARNING,
         configure_logging=False,
     )
+    check_reachable(address)
     try:
         if address:
             ray.init(address=address, **kw)

@@ -68,3 +68,21 @@ def test_the_example_cluster_configs_load():
     assert local is not None and local.address == "" and local.samplers == 2
     remote = load_config(root / "cluster-example.toml").cluster
     assert remote is not None and remote.backend == "nccl" and remote.strategy == "fsdp2"
+
+
+def test_an_unreachable_cluster_address_is_one_line_at_once():
+    """Guards against ray.init retrying a dead address for minutes."""
+    import socket
+
+    from opencomposer.training.cluster import ClusterError, check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(ClusterError, match="cannot reach the Ray cluster") as e:
+            check_reachable(f"127.0.0.1:{port}")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ClusterError):
+        check_reachable("no-port")
+    check_reachable("")  # a local Ray
+    check_reachable("auto")  # Ray finds it
