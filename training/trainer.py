@@ -508,9 +508,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     root = run_dir / "checkpoints"
     if keep <= 0 or not root.is_dir():
         return []
-    done = [
-        p for p in root.glob("step_*") if (p / STATE_FILE).exists() and p.name != "step_0"
-    ]
+    done = [p for p in root.glob("step_*") if (p / STATE_FILE).exists() and p.name != "step_0"]
     done.sort(key=lambda p: int(p.name.split("_")[1]))
     old = done[:-keep]
     for p in old:
