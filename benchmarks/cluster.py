@@ -180,14 +180,79 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def cuda_cluster(args: argparse.Namespace) -> dict[str, Any]:  # pragma: no cover
+    """The product path on CUDA: a trainer rank (NCCL, world of one) and a vLLM replica
+    sharing the GPU, four real episodes, one step, one broadcast, versions read back."""
+    from opencomposer.training.catalog import load_suite
+    from opencomposer.training.cluster import Cluster
+    from opencomposer.training.config import parse_config
+    from opencomposer.training.rl import (
+        make_sampler,
+        model_folder,
+        rollout_from_episode,
+        trainer_config,
+    )
+    from opencomposer.training.rollouts import Group, build_samples
+    from opencomposer.training.sessions import session_config
+
+    cfg = parse_config(
+        {
+            "model": {"path": "smollm2", "sampler": "vllm", "kv_cache_gib": 4.0},
+            "optim": {"lr": 1e-6, "micro_batch_size": 4},
+            "rollout": {"max_turns": 1, "max_tokens": 64, "prompt_style": "compact"},
+            "tasks": {"heldout": ""},
+            "cluster": {
+                "samplers": 1,
+                "sampler_gpus": 0.4,
+                "trainer_ranks": 1,
+                "trainer_gpus": 0.4,
+                "env_workers_per_node": 1,
+            },
+        }
+    )
+    work = Path(tempfile.mkdtemp(prefix="oc-cluster-gpu-"))
+    folder = model_folder(cfg, work)
+    cluster = Cluster(
+        cfg,
+        folder,
+        make_model=functools.partial(make_sampler, cfg, folder),
+        to_rollout=rollout_from_episode,
+        trainer_config=trainer_config(cfg),
+    )
+    tasks = load_suite("starter:train")[:4]
+    scfg = session_config(cfg, prompt_style="compact")
+    try:
+        await cluster.start()
+        rollouts = list(await asyncio.gather(*(cluster.episode(t, scfg) for t in tasks)))
+        for i, r in enumerate(rollouts):
+            r.reward = float(i % 2)
+        samples, _ = build_samples([Group(task=None, task_id="t", group=0, rollouts=rollouts)])
+        t0 = time.perf_counter()
+        stats = await cluster.trainer.step(samples)
+        t1 = time.perf_counter()
+        await cluster.broadcast(cluster.trainer.version)
+        return {
+            "backend": cluster.backend,
+            "ok_rollouts": sum(r.status == "ok" for r in rollouts),
+            "step_s": round(t1 - t0, 2),
+            "grad_norm": stats.get("grad_norm"),
+            "broadcast": cluster.sampler.last_sync,
+            "versions": {"trainer": cluster.trainer.version, "replicas": cluster.replica_versions},
+        }
+    finally:
+        await cluster.close()
+
+
 def gpu_check(args: argparse.Namespace) -> int:  # pragma: no cover - needs CUDA
-    """Trainer on CUDA, one vLLM replica on its own GPU, NCCL broadcast into it."""
+    """Part 1: ``cuda_cluster``. Part 2 (two GPUs or more): a vLLM replica with vLLM's
+    NCCL weight-transfer engine, weights broadcast into it from this process's GPU."""
     import ray
     import torch
 
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one (and two for the NCCL broadcast)")
         return 2
+    print("CUDA cluster path:", json.dumps(asyncio.run(cuda_cluster(args)), indent=2))
     from opencomposer.agent.backends.smollm2 import smollm2_path
     from opencomposer.agent.backends.vllm import VLLMModel
     from opencomposer.training.cluster import SamplerReplica, connect
