@@ -86,3 +86,19 @@ def test_an_unreachable_cluster_address_is_one_line_at_once():
         check_reachable("no-port")
     check_reachable("")  # a local Ray
     check_reachable("auto")  # Ray finds it
+
+
+def test_replicas_on_different_versions_are_a_lag_error_and_episodes_go_to_the_least_busy():
+    from opencomposer.training.cluster import Cluster, Slot, _least
+    from opencomposer.training.weight_sync import SamplerLagError
+
+    cfg = parse_config({"cluster": {"samplers": 2}})
+    cluster = Cluster(cfg, ".", make_model=None, to_rollout=None)
+    cluster.replica_versions = [3, 3]
+    assert cluster.sampler.weight_version == 3
+    cluster.replica_versions = [3, 2]
+    with pytest.raises(SamplerLagError, match="different weight versions"):
+        _ = cluster.sampler.weight_version
+    slots = [Slot(index=0, inflight=2), Slot(index=1, inflight=1), Slot(index=2, inflight=1)]
+    slots[1].served = 5
+    assert _least(slots).index == 2  # fewest in flight, then fewest served
