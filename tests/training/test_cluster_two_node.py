@@ -53,8 +53,8 @@ eval_every = 0
 [rollout]
 group_size = 4
 groups_per_step = 2
-mode = "sync"
-max_inflight = 2
+mode = "async"            # rollouts keep running through the step and the weight sync
+max_inflight = 3
 num_workers = 1
 max_turns = 1
 max_tokens = 24
