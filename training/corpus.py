@@ -395,6 +395,15 @@ def install_deps(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     buildable = any((root / f).is_file() for f in ("pyproject.toml", "setup.py", "setup.cfg"))
     if not spec.install or not buildable:
         return
+    had_build = (root / "build").exists()
+    try:
+        _install(root, spec, env)
+    finally:
+        if not had_build:  # pip's in-tree build folder: a second copy of the sources
+            shutil.rmtree(root / "build", ignore_errors=True)
+
+
+def _install(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     target = root / DEPS_DIR
     extras = f"[{','.join(spec.extras)}]" if spec.extras else ""
     wanted = [f"{root}{extras}", *spec.deps]
@@ -1011,6 +1020,10 @@ def apply_edits(data: bytes, edits: list[dict[str, Any]]) -> bytes:
     return data
 
 
+# What `pip install` of a setuptools project leaves in its source tree.
+_PIP_BUILD = re.compile(r"build/(lib|bdist\.|temp\.|lib\.)")
+
+
 def patched_tar(snapshot: Path, edits: list[dict[str, Any]]) -> bytes:
     """The snapshot's tar with the edits applied: a task's `repo.tar`, deterministic."""
     by_path: dict[str, list[dict[str, Any]]] = {}
@@ -1022,6 +1035,8 @@ def patched_tar(snapshot: Path, edits: list[dict[str, Any]]) -> bytes:
         tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst,
     ):
         for member in src.getmembers():
+            if _PIP_BUILD.match(member.name):
+                continue  # pip's in-tree build of the project: a second copy to grep
             if member.isreg():
                 data = src.extractfile(member).read()  # type: ignore[union-attr]
                 if member.name in by_path:

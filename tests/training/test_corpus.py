@@ -362,3 +362,24 @@ def test_build_order_takes_the_splits_in_turn() -> None:
     assert [n for n in order if n.startswith("t")] == [f"t{i}" for i in range(8)]
     # a build stopped after any prefix of half or more has both splits
     assert {n[0] for n in order[:5]} == {"t", "h"}
+
+
+def test_task_workspaces_leave_out_pips_in_tree_build(tmp_path: Path) -> None:
+    import io
+
+    snap = tmp_path / "snapshot.tar"
+    with tarfile.open(snap, "w") as tar:
+        for name, data in (
+            ("pkg/core.py", b"x = 1\n"),
+            ("build/lib/pkg/core.py", b"x = 1\n"),
+            ("build/bdist.linux-x86_64/y", b""),
+            ("buildtools/z.py", b""),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    edit = {"path": "pkg/core.py", "offset": 4, "old": "1", "new": "2", "line": 1}
+    out = corpus.patched_tar(snap, [edit])
+    with tarfile.open(fileobj=io.BytesIO(out)) as tar:
+        assert tar.getnames() == ["pkg/core.py", "buildtools/z.py"]
+        assert tar.extractfile("pkg/core.py").read() == b"x = 2\n"  # type: ignore[union-attr]
