@@ -456,6 +456,7 @@ async function main() {
   const metrics = { started: new Date().toISOString() };
   let browser;
   let page;
+  let passed = false;
   try {
     await until("code-server listening", () => fetch(`http://127.0.0.1:${port}/healthz`).then((r) => r.ok), 90_000, 250);
     browser = await puppeteer.launch({
@@ -693,6 +694,7 @@ async function main() {
       fs.copyFileSync(path.join(OUT, "panel-follow-up.png"), path.join(SHOTS, "vscode-panel.png"));
     }
     log("PASS: all steps");
+    passed = true;
   } catch (e) {
     try {
       if (page) await page.screenshot({ path: path.join(OUT, "failure.png") });
@@ -707,6 +709,8 @@ async function main() {
     }
     cs.kill("SIGTERM");
     fs.closeSync(csLog);
+    // the workspace, settings and traces stay for a look after a failure
+    if (passed) fs.rmSync(root, { recursive: true, force: true });
   }
 }
 
