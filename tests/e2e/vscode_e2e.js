@@ -521,7 +521,7 @@ async function main() {
 
     // --- Follow-up in the same session from the panel's input box -----------------
     const frame = await ed.panelFrame();
-    await frame.click("#input");
+    await frame.focus("#input");
     await frame.type("#input", "Does total() need a change too?");
     await page.keyboard.press("Enter");
     const follow = await until("the follow-up's answer in the same session", async () => {
@@ -658,9 +658,9 @@ async function main() {
     // a new session from the panel: "New session", then the input box
     const panel = await ed.panelFrame();
     const beforeNew = (await ed.sessions()).length;
-    await panel.click("#new");
+    await panel.$eval("#new", (b) => b.click()); // a DOM click: notification toasts may cover the button
     await until("the input box targets a new session", () => panel.evaluate(() => document.getElementById("target-label").textContent === "New session"));
-    await panel.click("#input");
+    await panel.focus("#input");
     await panel.type("#input", "Are you back?");
     await page.keyboard.press("Enter");
     const hello = await until("the new session's answer", async () => {
