@@ -451,6 +451,74 @@ def _install(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     env.notes.append("installed into .deps")
 
 
+MAX_AUTO_DEPS = 4  # missing test dependencies installed by name before giving up
+# Import names whose distribution is named otherwise.
+_DIST_OF_MODULE = {
+    "yaml": "PyYAML",
+    "dateutil": "python-dateutil",
+    "bs4": "beautifulsoup4",
+    "PIL": "pillow",
+    "attr": "attrs",
+    "sklearn": "scikit-learn",
+    "dotenv": "python-dotenv",
+    "jwt": "PyJWT",
+    "magic": "python-magic",
+    "Crypto": "pycryptodome",
+    "OpenSSL": "pyOpenSSL",
+    "lxml_html_clean": "lxml-html-clean",
+}
+
+
+def missing_module(reason: str) -> str:
+    """The top-level module a 'test dependency is missing' skip names; "" otherwise."""
+    m = re.search(
+        r"a test dependency is missing: ModuleNotFoundError: No module named '([^']+)'", reason
+    )
+    return m.group(1).split(".")[0] if m else ""
+
+
+def install_missing(module: str, roots: list[Path], env: TestEnv) -> bool:
+    """Install the distribution that provides `module` (by its import name, or the
+    alias table) into each root's `.deps`, adding only what is not there yet; False
+    when it cannot be installed or the project has no `.deps` on its path."""
+    if DEPS_DIR not in env.pythonpath or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", module):
+        return False
+    dist = _DIST_OF_MODULE.get(module, module)
+    with tempfile.TemporaryDirectory(prefix="oc-dep-") as tmp:
+        target = Path(tmp) / "t"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-compile",
+            "--no-warn-script-location",
+            "--target",
+            str(target),
+            dist,
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return False
+        if proc.returncode != 0:
+            return False
+        _prune_deps(target, set())
+        for root in roots:
+            deps = root / DEPS_DIR
+            for entry in target.iterdir():
+                if (deps / entry.name).exists():
+                    continue
+                if entry.is_dir():
+                    shutil.copytree(entry, deps / entry.name, symlinks=True)
+                else:
+                    shutil.copy2(entry, deps / entry.name)
+    env.notes.append(f"installed the missing {dist}")
+    return True
+
+
 _SHIM_MARK = "# opencomposer: test environment"
 _SHIM = """{mark}: the project's source and its installed dependencies first
 # on sys.path, as in a development install, so `python -m pytest` works as it is.
@@ -619,7 +687,19 @@ async def _build(
     cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
     scratch, plugin_dir = mining.setup_scratch(work, work_tmp, cfg)
     progress("running its tests", force=True)
-    base = await _baseline(scratch, cfg, plugin_dir, spec, env, work)
+    tried: set[str] = set()
+    while True:
+        try:
+            base = await _baseline(scratch, cfg, plugin_dir, spec, env, work)
+            break
+        except Skip as e:
+            module = missing_module(str(e))
+            if not module or module in tried or len(tried) >= MAX_AUTO_DEPS:
+                raise
+            tried.add(module)
+            progress(f"installing the missing test dependency {module}", force=True)
+            if not await asyncio.to_thread(install_missing, module, [work, scratch], env):
+                raise
     cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
     found = mining.candidates(scratch, cfg, base)
     if not found:
@@ -1170,7 +1250,10 @@ def build_corpus(
     for spec in specs:
         done = _read_record(out / "projects" / spec.name)
         key = spec.key(settings)
-        if done and not force and done.get("key") == key and done["status"] != "error":
+        retry = done is not None and (
+            done["status"] == "error" or bool(missing_module(done.get("reason") or ""))
+        )  # a skip for a missing test dependency is retried: the builder installs those now
+        if done and not force and done.get("key") == key and not retry:
             continue
         todo.append(spec)
     todo = _interleave_splits(todo)

@@ -383,3 +383,12 @@ def test_task_workspaces_leave_out_pips_in_tree_build(tmp_path: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(out)) as tar:
         assert tar.getnames() == ["pkg/core.py", "buildtools/z.py"]
         assert tar.extractfile("pkg/core.py").read() == b"x = 2\n"  # type: ignore[union-attr]
+
+
+def test_a_missing_test_dependency_is_named_and_its_skip_retried(tmp_path: Path) -> None:
+    reason = "a test dependency is missing: ModuleNotFoundError: No module named 'nose2.tools'"
+    assert corpus.missing_module(reason) == "nose2"
+    assert corpus.missing_module("no tests in the source") == ""
+    # without .deps on the path, nothing is installed
+    assert not corpus.install_missing("nose2", [tmp_path], corpus.TestEnv())
+    assert not corpus.install_missing("no;such", [tmp_path], corpus.TestEnv(pythonpath=[".deps"]))
