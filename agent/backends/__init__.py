@@ -3,6 +3,7 @@
 | spec | backend |
 |---|---|
 | `smollm2` (default) | the embedded SmolLM2-135M-Instruct on llama.cpp in-process (`llamacpp`); on vLLM where llama-cpp-python is absent, on `hf` where vLLM is absent too |
+| `smollm2-base` | the same model untrained: without the shipped adapter that `smollm2` folds in (`agent/backends/smollm2_adapter/`, see `training/ship.py`) |
 | `llamacpp:PATH` | a SmolLM2-shaped Hugging Face folder on llama.cpp in-process: one stream at a time, fastest on CPU (`llamacpp:smollm2` = the embedded one) |
 | `vllm:PATH_OR_NAME` | a Hugging Face model folder on vLLM in-process (`vllm:smollm2` = the embedded one) |
 | `hf:PATH` | the same through `transformers` (fallback, slow; `hf:smollm2` = the embedded one) |
@@ -30,7 +31,8 @@ from opencomposer.agent.protocols import Model
 
 DEFAULT_SPEC = "smollm2"
 EMBEDDED = "smollm2"
-SPEC_HELP = "smollm2, llamacpp:PATH, vllm:PATH_OR_NAME, hf:PATH, openai:URL#MODEL or scripted:FILE"
+EMBEDDED_BASE = "smollm2-base"  # the untrained model; `smollm2` is the trained policy
+SPEC_HELP = "smollm2, smollm2-base, llamacpp:PATH, vllm:PATH_OR_NAME, hf:PATH, openai:URL#MODEL or scripted:FILE"
 
 __all__ = [
     "DEFAULT_SPEC",
@@ -56,14 +58,18 @@ def parse_spec(spec: str) -> tuple[str, str]:
     Raises ValueError with one line naming what is wrong and the accepted forms.
     """
     spec = (spec or "").strip()
-    if spec == EMBEDDED:
-        return EMBEDDED, ""
+    if spec in (EMBEDDED, EMBEDDED_BASE):
+        return EMBEDDED, "" if spec == EMBEDDED else EMBEDDED_BASE
     kind, sep, arg = spec.partition(":")
     if not sep or kind not in ("llamacpp", "vllm", "hf", "openai", "scripted"):
         raise ValueError(f"unknown model spec {spec!r}: expected {SPEC_HELP}")
     if not arg:
         raise ValueError(f"model spec {spec!r} lacks its argument after '{kind}:'")
-    if kind in ("hf", "llamacpp") and arg != EMBEDDED and not Path(arg).expanduser().is_dir():
+    if (
+        kind in ("hf", "llamacpp")
+        and arg not in (EMBEDDED, EMBEDDED_BASE)
+        and not Path(arg).expanduser().is_dir()
+    ):
         raise ValueError(f"{kind}: model folder not found: {arg}")
     if kind == "openai":
         url, _, name = arg.partition("#")
@@ -88,13 +94,13 @@ def make_model(spec: str = DEFAULT_SPEC, **kw: Any) -> Model:
         return OpenAIModel(url, name, **kw)
     if kind == EMBEDDED:
         kind = "llamacpp" if llamacpp_available() else "vllm" if vllm_available() else "hf"
-        arg = EMBEDDED
+        arg = arg or EMBEDDED
     path: str | Path = arg
     name = spec
-    if arg == EMBEDDED:
+    if arg in (EMBEDDED, EMBEDDED_BASE):
         from opencomposer.agent.backends.smollm2 import smollm2_path
 
-        path = smollm2_path()
+        path = smollm2_path(base=arg == EMBEDDED_BASE)
         kw.setdefault("prompt_style", "compact")  # 135M parameters, 8k context
     elif Path(arg).expanduser().is_dir():
         path = Path(arg).expanduser().resolve()

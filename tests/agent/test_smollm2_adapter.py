@@ -4,6 +4,7 @@ policy when an adapter ships, `smollm2-base` (base=True) the untrained model."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +76,17 @@ def test_an_adapter_for_other_weights_is_refused(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(smollm2, "ADAPTER_DIR", tmp_path / "adapter")
     with pytest.raises(AdapterError, match="other base weights"):
         smollm2.smollm2_path()
+
+
+def test_the_base_spec_names_the_untrained_folder(cache, tmp_path, monkeypatch):
+    from opencomposer.agent.backends import make_model, parse_spec
+
+    assert parse_spec("smollm2-base") == ("smollm2", "smollm2-base")
+    assert parse_spec("hf:smollm2-base") == ("hf", "smollm2-base")
+    _adapter(tmp_path / "adapter", _state(cache))
+    monkeypatch.setattr(smollm2, "ADAPTER_DIR", tmp_path / "adapter")
+    base = make_model("hf:smollm2-base")
+    trained = make_model("hf:smollm2")
+    assert Path(base.path).resolve() == cache.resolve()
+    assert Path(trained.path) == smollm2.smollm2_path() != Path(base.path)
+    assert base.prompt_style == trained.prompt_style == "compact"
