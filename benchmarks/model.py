@@ -1,103 +1,248 @@
-"""Embedded model speed: vLLM in-process against the `hf:` (transformers) backend.
+"""Embedded model speed: the product path against the bare engines, from one run.
 
-Measures, on this machine and in one run, SmolLM2-135M-Instruct's time to first
-token and generated tokens per second, for one prompt alone and for 8 prompts at
-once (vLLM batches them in one engine; the hf backend runs one sequence per
-worker thread), and prints vLLM's figures as ratios of hf's. Both backends get the
-same prompts, the same sampling (temperature 0.7, fixed seeds) and the same token
-budget; one warm-up turn each is not timed. Engine start and model load times are
-printed too.
+SmolLM2-135M-Instruct, one stream, greedy, 128 new tokens (the prompt asks for a long
+list, and the stop tokens are the model's own), on:
 
-Run: `.venv/bin/python benchmarks/model.py [--max-tokens 64] [--batch 8]`
-(the vLLM engine start takes ~25 s on an idle 2-core machine, much longer under load).
+- `llama.cpp bare`: llama-cpp-python's own `create_completion(stream=True)` on the
+  Q8_0 GGUF the product converts (the same weights), its own sampler;
+- `product`: `make_model("smollm2")` as `ask`, `serve` and the TUI get it (llama.cpp
+  in-process, our sampler, exact logprobs, our stream), speculation off and on;
+- `vllm`: the vLLM-CPU backend (bf16), one stream and 8 at once (the RL sampler's
+  batched rate);
+- `hf`: transformers (bf16), one stream.
+
+Decode rate is (tokens - 1) / (last token time - first token time); prompt rate is a
+1,500-token prompt's prefill. Each figure is the best of `--runs` (the machine is
+shared: under load llama.cpp's threads lose their cores and collapse to a few tokens
+per second), and the CPU model and the load average are printed beside them. The
+time of one decode step of the product path is broken down by where it goes
+(engine, sampler, our text/stream work, the hand-off to the consumer).
+
+Run: `.venv/bin/python benchmarks/model.py [--runs 3] [--skip-vllm] [--skip-hf]`
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import os
 import time
+from pathlib import Path
+from typing import Any
 
 from opencomposer.agent.backends import make_model
-from opencomposer.agent.protocols import Message, Model, Sampling
+from opencomposer.agent.protocols import Message, Sampling
 
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a hash map is to a new programmer.",
-    "List ten fruits and one fact about each.",
-    "Describe how a binary search works, step by step.",
-    "Write a short story about a robot learning to paint.",
-    "What are the differences between TCP and UDP?",
-    "Write a bash script that counts the lines of every .py file in a folder.",
-    "Explain recursion with an example in JavaScript.",
-]
+LONG = "List one hundred fruits, one per line, each with its colour."
+TOKENS = 128
+PROMPT_TOKENS = 1500
 
 
-async def run_batch(model: Model, prompts: list[str], max_tokens: int) -> tuple[float, float]:
-    """(mean time to first token in s, generated tokens per second over the batch)."""
-    streams = [
-        model.stream(
-            [Message(role="user", content=p)],
-            Sampling(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=i),
-        )
-        for i, p in enumerate(prompts)
-    ]
-
-    async def drain(stream) -> None:  # type: ignore[no-untyped-def]
-        async for _ in stream:
-            pass
-
-    start = time.monotonic()
-    await asyncio.gather(*(drain(s) for s in streams))
-    wall = time.monotonic() - start
-    outputs = [s.output for s in streams]
-    ttft = statistics.mean(float(o.meta.get("time_to_first_token_s", wall)) for o in outputs)
-    tokens = sum(o.completion_tokens for o in outputs)
-    return ttft, tokens / wall
+def machine() -> str:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{cpu}, {len(os.sched_getaffinity(0))} cores; load average {load}"
 
 
-async def measure(spec: str, max_tokens: int, batch: int) -> dict[str, float]:
-    model = make_model(spec)
-    start = time.monotonic()
-    await model.start()  # type: ignore[attr-defined]
-    figures = {"start_s": time.monotonic() - start}
+def long_prompt(tokenizer: Any) -> str:
+    """About PROMPT_TOKENS tokens of code-like text."""
+    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(400))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:PROMPT_TOKENS]
+    return tokenizer.decode(ids)
+
+
+# -- llama.cpp, bare -------------------------------------------------------------------
+
+
+def bare_llamacpp(gguf: Path, prompt_ids: list[int], long_ids: list[int], runs: int) -> dict:
+    import llama_cpp
+
+    threads = len(os.sched_getaffinity(0))
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=8192, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+    best: dict[str, float] = {"decode": 0.0, "prompt": 0.0}
     try:
-        await run_batch(model, PROMPTS[:1], 8)  # warm-up
-        figures["ttft_1"], figures["tps_1"] = await run_batch(model, PROMPTS[:1], max_tokens)
-        prompts = (PROMPTS * ((batch + len(PROMPTS) - 1) // len(PROMPTS)))[:batch]
-        figures["ttft_n"], figures["tps_n"] = await run_batch(model, prompts, max_tokens)
+        for _ in range(runs):
+            llm.reset()
+            times = []
+            for _chunk in llm.create_completion(
+                prompt_ids, max_tokens=TOKENS, temperature=0.0, stream=True
+            ):
+                times.append(time.perf_counter())
+            if len(times) > 1:
+                best["decode"] = max(best["decode"], (len(times) - 1) / (times[-1] - times[0]))
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(long_ids)
+            best["prompt"] = max(best["prompt"], len(long_ids) / (time.perf_counter() - start))
+    finally:
+        llm.close()
+    return best
+
+
+# -- backends through the Model protocol -----------------------------------------------
+
+
+async def one_stream(model: Any, messages: list[Message], sampling: Sampling) -> dict:
+    stream = model.stream(messages, sampling)
+    times = []
+    async for _ in stream:
+        times.append(time.perf_counter())
+    out = stream.output
+    n = out.completion_tokens
+    decode = (n - 1) / (times[-1] - times[0]) if len(times) > 1 and n > 1 else 0.0
+    return {"decode": decode, "tokens": n, "out": out, "consumer_s": times[-1] - times[0]}
+
+
+async def product(runs: int, long_text: str) -> tuple[dict, dict, dict]:
+    """(plain decoding, with speculation, breakdown of a plain step in ms)."""
+    from opencomposer.agent.backends.llamacpp import LlamaCppModel
+
+    model = make_model("smollm2")
+    assert isinstance(model, LlamaCppModel), "llama-cpp-python is not installed"
+    start = time.perf_counter()
+    await model.start()
+    load_s = time.perf_counter() - start
+    ask = [Message(role="user", content=LONG)]
+    greedy = Sampling(temperature=0, max_tokens=TOKENS)
+    plain: dict[str, float] = {"decode": 0.0, "prompt": 0.0, "load_s": load_s}
+    fast: dict[str, float] = {"decode": 0.0}
+    steps: dict[str, float] = {}
+    try:
+        for _ in range(runs):
+            model.draft = 0
+            model._engine.reset()  # type: ignore[union-attr]
+            r = await one_stream(model, ask, greedy)
+            if r["decode"] > plain["decode"]:
+                plain["decode"] = r["decode"]
+                meta, n = r["out"].meta, r["tokens"]
+                per = 1000 / max(1, meta["decode_passes"])
+                steps = {
+                    "engine (llama_decode)": meta["engine_s"] * per,
+                    "sampler + logprob": meta["sampler_s"] * per,
+                    "text, stop strings, bookkeeping": (
+                        meta["decode_s"] - meta["engine_s"] - meta["sampler_s"]
+                    )
+                    * per,
+                    "hand-off to the consumer": max(0.0, r["consumer_s"] - meta["decode_s"])
+                    * 1000
+                    / max(1, n - 1),
+                }
+            model.draft = 12
+            r = await one_stream(model, ask, greedy)
+            fast["decode"] = max(fast["decode"], r["decode"])
+            model._engine.reset()  # type: ignore[union-attr]
+            r = await one_stream(
+                model, [Message(role="user", content=long_text)], Sampling(max_tokens=1)
+            )
+            prefill = float(r["out"].meta["prefill_s"])
+            plain["prompt"] = max(plain["prompt"], r["out"].prompt_tokens / prefill)
     finally:
         await model.close()
-    return figures
+    return plain, fast, steps
+
+
+async def engine_rates(spec: str, runs: int, batch: int) -> dict[str, float]:
+    model = make_model(spec)
+    start = time.perf_counter()
+    await model.start()  # type: ignore[attr-defined]
+    best = {"load_s": time.perf_counter() - start, "decode": 0.0, "batch": 0.0}
+    ask = [Message(role="user", content=LONG)]
+    try:
+        await one_stream(model, ask, Sampling(temperature=0, max_tokens=8))  # warm-up
+        for _ in range(runs):
+            r = await one_stream(model, ask, Sampling(temperature=0, max_tokens=TOKENS))
+            best["decode"] = max(best["decode"], r["decode"])
+        if batch:
+            for _ in range(runs):
+                streams = [
+                    model.stream(ask, Sampling(temperature=0.7, max_tokens=TOKENS, seed=i))
+                    for i in range(batch)
+                ]
+
+                async def drain(s: Any) -> None:
+                    async for _ in s:
+                        pass
+
+                start = time.perf_counter()
+                await asyncio.gather(*(drain(s) for s in streams))
+                wall = time.perf_counter() - start
+                rate = sum(s.output.completion_tokens for s in streams) / wall
+                best["batch"] = max(best["batch"], rate)
+    finally:
+        await model.close()
+    return best
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
-    results = {}
-    for label, spec in (("hf", "hf:smollm2"), ("vllm", "vllm:smollm2")):
-        results[label] = await measure(spec, args.max_tokens, args.batch)
-        print(
-            f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in results[label].items()), flush=True
-        )
-    hf, vl = results["hf"], results["vllm"]
-    n = args.batch
-    print(f"\nSmolLM2-135M, {args.max_tokens} tokens per prompt; vLLM relative to hf (same run):")
-    print(f"{'':28}{'hf':>10}{'vllm':>10}{'vllm/hf':>10}")
+    print(machine(), flush=True)
+
+    from opencomposer.agent.backends._gguf import gguf_for
+    from opencomposer.agent.backends._local import ChatTokenizer
+    from opencomposer.agent.backends.smollm2 import smollm2_path
+
+    folder = smollm2_path()
+    start = time.perf_counter()
+    gguf = gguf_for(folder)
+    print(f"GGUF (Q8_0) ready in {time.perf_counter() - start:.1f} s: {gguf}", flush=True)
+    tok = ChatTokenizer(folder)
+    text = long_prompt(tok.hf)
+    prompt_ids = tok.prompt_ids([Message(role="user", content=LONG)])
+    long_ids = tok.prompt_ids([Message(role="user", content=text)])
+
+    bare = await asyncio.to_thread(bare_llamacpp, gguf, prompt_ids, long_ids, args.runs)
+    print(f"llama.cpp bare: {bare}", flush=True)
+    plain, fast, steps = await product(args.runs, text)
+    print(f"product: {plain}; with speculation: {fast}", flush=True)
+    vllm = hf = None
+    if not args.skip_vllm:
+        vllm = await engine_rates("vllm:smollm2", args.runs, args.batch)
+        print(f"vllm: {vllm}", flush=True)
+    if not args.skip_hf:
+        hf = await engine_rates("hf:smollm2", 1, 0)
+        print(f"hf: {hf}", flush=True)
+
+    print(f"\nSmolLM2-135M-Instruct, one stream, greedy, {TOKENS} new tokens; best of {args.runs}")
+    print(machine())
     rows = [
-        ("load / engine start (s)", "start_s", False),
-        ("TTFT, 1 prompt (s)", "ttft_1", False),
-        ("tokens/s, 1 prompt", "tps_1", True),
-        (f"TTFT, {n} prompts (s)", "ttft_n", False),
-        (f"tokens/s, {n} prompts", "tps_n", True),
+        ("llama.cpp bare (Q8_0)", bare["decode"], bare["prompt"]),
+        ("product: smollm2 on llama.cpp", plain["decode"], plain["prompt"]),
+        ("product + speculation (this prompt)", fast["decode"], None),
     ]
-    for title, key, higher_better in rows:
-        ratio = vl[key] / hf[key] if hf[key] else float("nan")
-        note = "x faster" if higher_better else "x the time"
-        print(f"{title:28}{hf[key]:10.3f}{vl[key]:10.3f}{ratio:10.2f} {note}")
+    if vllm:
+        rows.append(("vLLM-CPU (bf16)", vllm["decode"], None))
+    if hf:
+        rows.append(("transformers (bf16)", hf["decode"], None))
+    print(f"{'':40}{'decode tok/s':>14}{'prompt tok/s':>14}")
+    for name, decode, prompt in rows:
+        p = f"{prompt:14.0f}" if prompt else f"{'':>14}"
+        print(f"{name:40}{decode:14.1f}{p}")
+    print(
+        f"\nproduct / llama.cpp bare, decode: {plain['decode'] / bare['decode']:.2f}x (target >= 1.0)"
+    )
+    print(f"product / llama.cpp bare, prompt: {plain['prompt'] / bare['prompt']:.2f}x")
+    if vllm:
+        print(f"product / vLLM, decode: {plain['decode'] / vllm['decode']:.2f}x")
+        print(
+            f"vLLM, {args.batch} streams at once (the RL sampler): {vllm['batch']:.1f} tok/s "
+            f"(target >= 98); engine start {vllm['load_s']:.1f} s"
+        )
+    print(f"product engine load: {plain['load_s']:.2f} s (GGUF already converted)")
+    total = sum(steps.values())
+    print(f"\nwhere a product decode step goes ({total:.2f} ms, plain decoding):")
+    for name, ms in steps.items():
+        print(f"  {name:36}{ms:8.2f} ms  {100 * ms / total:5.1f} %")
 
 
 if __name__ == "__main__":
