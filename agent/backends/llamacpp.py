@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import os
 import threading
 import time
@@ -147,8 +148,13 @@ class LlamaCppModel:
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
-            stop.set()  # the thread stops at its next step; the engine is free after it
-            await asyncio.gather(job, return_exceptions=True)
+            stop.set()  # the thread stops after its current step
+            # Wait for it however often this task is cancelled again (a consumer's
+            # generator finalizer cancels too): the lock, and the context, must not be
+            # released while the thread still decodes.
+            while not job.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([job])
             raise
 
 
