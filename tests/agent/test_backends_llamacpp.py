@@ -234,7 +234,7 @@ def test_gguf_names_and_rotary_permutation() -> None:
 @pytest.mark.slow
 def test_embedded_model_answers_and_matches_transformers() -> None:
     """SmolLM2 on its Q8_0 GGUF: the right answer, ids that decode to the text, and
-    logprobs close to the bf16 model's (Q8_0 rounding, as vLLM's bf16 test allows)."""
+    logprobs close to the bf16 model's (up to Q8_0's rounding)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -249,6 +249,12 @@ def test_embedded_model_answers_and_matches_transformers() -> None:
 
     model, out = asyncio.run(main())
     assert "Paris" in out.text, out.text
+    assert out.prompt_token_ids == model.tokenizer.prompt_ids(question)
+    assert model.tokenizer.hf.decode(out.completion_token_ids, skip_special_tokens=True) == out.text
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.bfloat16)
     expected = reference_logprobs(hf, out.prompt_token_ids, out.completion_token_ids)
-    assert out.completion_logprobs == pytest.approx(expected, abs=0.2)
+    # Q8_0 rounds every weight: measured 0.26 at most here (a -2.0 first token), 0.2 is
+    # what vLLM's bf16 kernels get; on average they must stay far closer
+    assert out.completion_logprobs == pytest.approx(expected, abs=0.4)
+    gaps = [abs(a - b) for a, b in zip(out.completion_logprobs, expected, strict=True)]
+    assert sum(gaps) / len(gaps) < 0.1
