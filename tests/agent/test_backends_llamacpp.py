@@ -85,7 +85,7 @@ def test_tokens_and_logprobs_are_the_models_exactly(tiny, cache) -> None:
     folder, reference = tiny
 
     async def main() -> None:
-        model = LlamaCppModel(folder, qtype="f32", draft=0)
+        model = LlamaCppModel(folder, qtype="f32", draft=0, threads=1)
         try:
             out = await turn(model, COPY[:1], Sampling(temperature=0.8, max_tokens=24, seed=1))
         finally:
@@ -105,8 +105,8 @@ def test_speculation_changes_speed_only(tiny, cache) -> None:
     folder, reference = tiny
 
     async def main() -> None:
-        plain = LlamaCppModel(folder, qtype="f32", draft=0)
-        fast = LlamaCppModel(folder, qtype="f32", draft=12)
+        plain = LlamaCppModel(folder, qtype="f32", draft=0, threads=1)
+        fast = LlamaCppModel(folder, qtype="f32", draft=12, threads=1)
         try:
             for seed in (0, 1):
                 sampling = Sampling(temperature=0.5, max_tokens=80, seed=seed)
@@ -130,8 +130,8 @@ def test_a_later_turn_reuses_the_cached_prefix(tiny, cache) -> None:
     sampling = Sampling(temperature=0, max_tokens=16)
 
     async def main() -> None:
-        model = LlamaCppModel(folder, qtype="f32")
-        fresh = LlamaCppModel(folder, qtype="f32")
+        model = LlamaCppModel(folder, qtype="f32", threads=1)
+        fresh = LlamaCppModel(folder, qtype="f32", threads=1)
         try:
             first = await turn(model, COPY[:1], sampling)
             history = [*COPY[:1], Message(role="assistant", content=first.text), COPY[2]]
@@ -154,7 +154,7 @@ def test_stop_string_and_cancel(tiny, cache) -> None:
     folder, _ = tiny
 
     async def main() -> None:
-        model = LlamaCppModel(folder, qtype="f32")
+        model = LlamaCppModel(folder, qtype="f32", threads=1)
         try:
             whole = await turn(model, COPY[:1], Sampling(temperature=0, max_tokens=40))
             assert len(whole.text) > 12
