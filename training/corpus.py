@@ -388,6 +388,27 @@ def _src_layout(root: Path) -> bool:
     )
 
 
+def pip_install_target(
+    target: Path, requirements: list[str], flags: Iterable[str] = (), *, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`pip install --target TARGET` of `requirements`, quietly, without bytecode."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-compile",
+        "--no-warn-script-location",
+        *flags,
+        "--target",
+        str(target),
+        *requirements,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
 def install_deps(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     """`pip install --target .deps` the project with its test extras and the manifest's
     deps, then delete the installed copy of the project's own code and anything this
@@ -415,23 +436,8 @@ def _install(root: Path, spec: ProjectSpec, env: TestEnv) -> None:
     tries = [(["--no-build-isolation"], groups), ([], groups)] + ([([], [])] if groups else [])
     for flags, extra in tries:
         shutil.rmtree(target, ignore_errors=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-compile",
-            "--no-warn-script-location",
-            *flags,
-            "--target",
-            str(target),
-            *wanted,
-            *extra,
-        ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            proc = pip_install_target(target, [*wanted, *extra], flags, timeout=900)
         except subprocess.TimeoutExpired:
             error = "install timed out"
             continue
@@ -486,21 +492,8 @@ def install_missing(module: str, roots: list[Path], env: TestEnv) -> bool:
     dist = _DIST_OF_MODULE.get(module, module)
     with tempfile.TemporaryDirectory(prefix="oc-dep-") as tmp:
         target = Path(tmp) / "t"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-compile",
-            "--no-warn-script-location",
-            "--target",
-            str(target),
-            dist,
-        ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            proc = pip_install_target(target, [dist], timeout=600)
         except subprocess.TimeoutExpired:
             return False
         if proc.returncode != 0:
