@@ -404,7 +404,17 @@ class Editor {
   }
 
   async focusEditor() {
-    await this.page.click(".editor-group-container.active .monaco-editor .view-lines");
+    // The editor re-renders while lenses and decorations arrive, which can detach the
+    // element between finding and clicking it: find it again.
+    for (let attempt = 0; ; attempt++) {
+      try {
+        await this.page.click(".editor-group-container.active .monaco-editor .view-lines");
+        return;
+      } catch (e) {
+        if (attempt >= 10 || !/detached|not clickable|No node/i.test(String(e))) throw e;
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+    }
   }
 }
 

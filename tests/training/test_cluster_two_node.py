@@ -157,5 +157,6 @@ def test_two_node_cluster_runs_three_rl_steps(tmp_path):
     assert len(sums) == 2 and sums[0] == sums[1]
     assert list(out.glob("traces-*.db"))  # each worker's episodes, traced on its node
     synced = [m for m in lines if "sync_bytes" in m]
-    assert synced and all(0 < m["sync_bytes"] <= m["sync_full_bytes"] for m in synced)
+    # a delta may be empty: a step whose update rounds to no bf16 change sends nothing
+    assert synced and all(0 <= m["sync_bytes"] <= m["sync_full_bytes"] for m in synced)
     assert [m["weight_version"] for m in lines] == sorted(m["weight_version"] for m in lines)
