@@ -126,7 +126,9 @@ def plot(rows: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> None
     labels = [label for label, _ in rows]
     rates = [100 * s["resolve_rate"] for _, s in rows]
     errs = [200 * s["resolve_rate_se"] for _, s in rows]
-    ax.bar(labels, rates, yerr=errs, capsize=6, color=["#999999", "#4c78a8", "#f58518"][: len(rows)])
+    ax.bar(
+        labels, rates, yerr=errs, capsize=6, color=["#999999", "#4c78a8", "#f58518"][: len(rows)]
+    )
     for i, r in enumerate(rates):
         ax.text(i, r + 0.5, f"{r:.1f}%", ha="center", va="bottom")
     ax.set_ylabel("held-out resolve rate (%), ± 2 SE")
@@ -189,7 +191,9 @@ def main() -> int:
     for label, s in rows[1:]:
         diff = s["resolve_rate"] - base
         se = (s["resolve_rate_se"] ** 2 + rows[0][1]["resolve_rate_se"] ** 2) ** 0.5
-        print(f"{label} vs {rows[0][0]}: {diff:+.1%} ({diff / se if se else 0:+.1f} standard errors)")
+        print(
+            f"{label} vs {rows[0][0]}: {diff:+.1%} ({diff / se if se else 0:+.1f} standard errors)"
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     title = (
         f"{len(ids)} held-out tasks, {a.max_turns} turns; {cpu_model()}, load "
