@@ -1468,15 +1468,15 @@ def ensure_export(corpus: Path | str | None = None) -> list[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
         try:
             export(src, tmp)
-            marker_tmp = tmp / ".complete"
-            marker_tmp.write_text(str(src))
-            shutil.rmtree(dest, ignore_errors=True)
-            os.replace(tmp, dest)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / ".complete").write_text(str(src))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process put its export there first
+            shutil.rmtree(tmp, ignore_errors=True)
     return sorted(p for p in dest.iterdir() if (p / "task.toml").is_file())
 
 
