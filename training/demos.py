@@ -19,7 +19,10 @@ episode is graded ``resolved`` is marked accepted (its edits ``accept``-ed, and
 Held-out tasks are refused (``DemoError``): their solutions are never read.
 
     python -m opencomposer.training.demos --suite starter:train --db demos.db \\
-        [--prompt-style compact]
+        [--prompt-style compact] [--max N]   # tops up to N, round-robin over projects
+
+A training run (``[sft] source = "demos"``) records into ``<run>/demos.db`` the same
+way, so demonstrations recorded ahead of it with the run's prompt style count there.
 """
 
 from __future__ import annotations
@@ -412,24 +415,44 @@ async def record_demos(
     return stats
 
 
-async def _main(suite: str, db: Path, prompt_style: str) -> DemoStats:
+def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: int) -> list[Any]:
+    """The tasks to demonstrate next so that ``store`` holds up to ``limit``
+    demonstrations in prompt ``style``: those not recorded there yet, taken round-robin
+    over their projects (a store filled in several sittings tops up, never repeats)."""
+    from opencomposer.training.sft import spread
+
+    done = set()
+    for s in store.list_sessions(100_000):
+        meta = (store.get(s["session_id"]) or {}).get("meta") or {}
+        if meta.get("source") == "demo" and meta.get("prompt_style") == style:
+            done.add(meta.get("task_id"))
+    want = max(0, limit - len(done))
+    return spread([t for t in tasks if t.id not in done], want, seed)
+
+
+async def _main(suite: str, db: Path, prompt_style: str, limit: int, seed: int) -> DemoStats:
     from opencomposer.agent.traces import TraceStore
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.env import EnvConfig, EnvironmentServer
 
-    tasks = load_suite(suite)
     store = TraceStore(db)
-    env = EnvironmentServer(EnvConfig(num_actors=2))
     try:
-        await env.start()
-        return await record_demos(
-            tasks,
-            env=env,
-            store=store,
-            session_config=demo_session_config(prompt_style=prompt_style),
-        )
+        todo = pending(store, load_suite(suite), style=prompt_style, limit=limit, seed=seed)
+        if not todo:
+            return DemoStats()
+        env = EnvironmentServer(EnvConfig(num_actors=2))
+        try:
+            await env.start()
+            return await record_demos(
+                todo,
+                env=env,
+                store=store,
+                session_config=demo_session_config(prompt_style=prompt_style),
+                meta={"prompt_style": prompt_style},
+            )
+        finally:
+            await env.close()
     finally:
-        await env.close()
         store.close()
 
 
@@ -441,9 +464,13 @@ if __name__ == "__main__":
     ap.add_argument("--suite", default="starter:train")
     ap.add_argument("--db", type=Path, required=True, help="trace store to write (SQLite)")
     ap.add_argument("--prompt-style", default="compact", choices=["full", "compact"])
+    ap.add_argument(
+        "--max", type=int, default=100_000, help="demonstrations the store should hold in all"
+    )
+    ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args()
     try:
-        s = asyncio.run(_main(ns.suite, ns.db, ns.prompt_style))
+        s = asyncio.run(_main(ns.suite, ns.db, ns.prompt_style, ns.max, ns.seed))
     except (DemoError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

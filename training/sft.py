@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opencomposer.training.demos import DemoError, DemoStats, record_demos
+from opencomposer.training.demos import DemoError, DemoStats, pending, record_demos
 from opencomposer.training.rollouts import (
     Rollout,
     Sample,
@@ -192,13 +192,13 @@ async def ensure_demos(run: Any, db: Path) -> Any:
     style = demo_style(run)
     store = TraceStore(db)
     try:
-        done = set()
-        for s in store.list_sessions(100_000):
-            meta = (store.get(s["session_id"]) or {}).get("meta") or {}
-            if meta.get("source") == "demo" and meta.get("prompt_style") == style:
-                done.add(meta.get("task_id"))
-        want = max(0, run.config.sft.max_examples - len(done))
-        todo = spread([t for t in run.tasks if t.id not in done], want, run.config.run.seed)
+        todo = pending(
+            store,
+            run.tasks,
+            style=style,
+            limit=run.config.sft.max_examples,
+            seed=run.config.run.seed,
+        )
         if not todo:
             return DemoStats()
         if run.env is None:

@@ -25,6 +25,7 @@ from opencomposer.training.demos import (
     demo_turns,
     line_edits,
     load_solution,
+    pending,
     record_demos,
     renamed_word,
 )
@@ -177,6 +178,12 @@ def test_demos_through_the_real_session_become_assistant_only_samples(suite, tok
     stats = asyncio.run(go())
     assert stats.accepted == stats.recorded == 3 and not stats.failed
     traces = [store.export(s) for s in stats.session_ids]
+    # a store filled in several sittings tops up to its limit and never repeats a task
+    more = [t for t in suite if t.split == "train"][:6]
+    todo = pending(store, [*tasks, *more], style="compact", limit=5, seed=0)
+    assert len(todo) == 2 and not {t.id for t in todo} & {t.id for t in tasks}
+    assert pending(store, tasks, style="compact", limit=3, seed=0) == []
+    assert len(pending(store, tasks, style="full", limit=3, seed=0)) == 3  # another style
     store.close()
     for tr in traces:
         assert accepted(tr) and tr["meta"]["source"] == "demo"
