@@ -77,6 +77,43 @@ def _phases(run: Path) -> dict[str, Any]:
     }
 
 
+def _corpus(corpus: Path | None) -> dict[str, Any] | None:
+    """The corpus build's totals and its projects by split (its ``report.json``)."""
+    path = (corpus or Path()) / "report.json"
+    if corpus is None or not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except ValueError:
+        return None
+    built = [p for p in report.get("projects", []) if p.get("status") == "built"]
+    return {
+        "manifest_sha256": report.get("manifest_sha256"),
+        "totals": report.get("totals"),
+        "train_projects": sorted(p["name"] for p in built if p.get("split") == "train"),
+        "heldout_projects": sorted(p["name"] for p in built if p.get("split") == "heldout"),
+    }
+
+
+def _demonstrations(run: Path) -> dict[str, int] | None:
+    """How many demonstrations the run recorded and how many were accepted."""
+    path = run / "demos.db"
+    if not path.is_file():
+        return None
+    from opencomposer.agent.traces import TraceStore
+
+    store = TraceStore(path)
+    try:
+        metas = [
+            (store.get(s["session_id"]) or {}).get("meta") or {}
+            for s in store.list_sessions(100_000)
+        ]
+    finally:
+        store.close()
+    demos = [m for m in metas if m.get("source") == "demo"]
+    return {"recorded": len(demos), "accepted": sum(1 for m in demos if m.get("accepted"))}
+
+
 def ship(
     run: Path,
     *,
@@ -85,6 +122,7 @@ def ship(
     manifest: Path = ROOT / "configs" / "corpus.toml",
     config: Path = ROOT / "configs" / "embedded.toml",
     dest: Path = SHIPPED,
+    corpus: Path | None = None,
 ) -> dict[str, Any]:
     """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it."""
     src = run / "checkpoints" / checkpoint if checkpoint else _newest(run)
@@ -119,6 +157,8 @@ def ship(
             "text": config.read_text(),
         },
         **_phases(run),
+        "demonstrations": _demonstrations(run),
+        "corpus": _corpus(corpus),
         "shipped": time.strftime("%Y-%m-%d", time.gmtime()),
         "retrain": "make embedded",
     }
@@ -133,9 +173,19 @@ def main() -> int:
     ap.add_argument("run", type=Path)
     ap.add_argument("--checkpoint", default=None, help="step_N (default: the newest)")
     ap.add_argument("--heldout", type=Path, default=ROOT / "docs" / "embedded" / "heldout.json")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="the corpus folder (default: $OPENCOMPOSER_CORPUS or ~/.cache/opencomposer/corpus)",
+    )
     a = ap.parse_args()
+    from opencomposer.training.corpus import default_corpus
+
     try:
-        card = ship(a.run, checkpoint=a.checkpoint, heldout=a.heldout)
+        card = ship(
+            a.run, checkpoint=a.checkpoint, heldout=a.heldout, corpus=a.corpus or default_corpus()
+        )
     except ShipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

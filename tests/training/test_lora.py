@@ -118,7 +118,33 @@ def test_ship_copies_the_adapter_and_writes_the_card(tmp_path):
     )
     held = tmp_path / "heldout.json"
     held.write_text('{"models": {"base": {"resolve_rate": 0.0}}}')
-    card = ship(run, heldout=held, dest=tmp_path / "shipped")
+    from opencomposer.agent.traces import TraceStore
+
+    store = TraceStore(run / "demos.db")
+    for i, ok in enumerate((True, True, False)):
+        store.start_session(f"s{i}", workspace=tmp_path, model="scripted", sampling={}, query="q")
+        store.set_meta(f"s{i}", source="demo", accepted=ok, task_id=f"t{i}")
+    store.close()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "report.json").write_text(
+        json.dumps(
+            {
+                "manifest_sha256": "abc",
+                "totals": {"tasks": 50},
+                "projects": [
+                    {"name": "b", "split": "train", "status": "built"},
+                    {"name": "a", "split": "train", "status": "built"},
+                    {"name": "h", "split": "heldout", "status": "built"},
+                    {"name": "s", "split": "train", "status": "skipped"},
+                ],
+            }
+        )
+    )
+    card = ship(run, heldout=held, dest=tmp_path / "shipped", corpus=corpus)
+    assert card["demonstrations"] == {"recorded": 3, "accepted": 2}
+    assert card["corpus"]["train_projects"] == ["a", "b"]
+    assert card["corpus"]["heldout_projects"] == ["h"] and card["corpus"]["totals"]["tasks"] == 50
     assert card["checkpoint"] == "step_2" and card["wall_s"] == 60.0
     assert card["phases"] == {
         "warmup1": {"steps": 1, "seconds": 3.0},
