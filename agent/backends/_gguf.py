@@ -47,12 +47,20 @@ _NAMES = {
 }
 
 
+def model_weights(folder: Path) -> list[Path]:
+    """The folder's model weight files: every ``*.safetensors`` but a LoRA adapter saved
+    beside them (a LoRA run's checkpoint holds the merged model and its adapter)."""
+    from opencomposer.agent.backends.adapter import ADAPTER_WEIGHTS
+
+    return sorted(p for p in folder.glob("*.safetensors") if p.name != ADAPTER_WEIGHTS)
+
+
 def gguf_for(folder: str | Path, qtype: str = "q8_0") -> Path:
     """The GGUF of `folder`'s weights in `qtype`, converting on first use."""
     if qtype not in QTYPES:
         raise ValueError(f"unknown GGUF type {qtype!r}: expected one of {', '.join(QTYPES)}")
     folder = Path(folder).resolve()
-    weights = sorted(folder.glob("*.safetensors"))
+    weights = model_weights(folder)
     if not weights:
         raise FileNotFoundError(f"no .safetensors weights in {folder}")
     key = hashlib.sha256(
@@ -107,7 +115,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "q8_0") -> None:
             gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
         )
         writer.add_key_value(name, value, vtype)
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in model_weights(folder):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 tensor = gguf_name(hf_name, config.get("tie_word_embeddings", True))

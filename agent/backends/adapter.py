@@ -13,9 +13,10 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only where an adapter is read or merged
+    import torch
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter.json"
@@ -27,6 +28,8 @@ class AdapterError(ValueError):
 
 def fingerprint(state: dict[str, torch.Tensor], names: Iterable[str]) -> str:
     """A short hash of the base weights an adapter applies to (those layers only)."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(names):
         t = state[name].detach().to(torch.float32).contiguous()
@@ -54,6 +57,8 @@ def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 def merge_adapter(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
     """``state`` (a plain HF state dict) with the adapter in ``folder`` folded in, in
     the state's dtypes. Refuses an adapter whose layers or base weights do not match."""
+    import torch
+
     meta, tensors = read_adapter(folder)
     scale = float(meta["alpha"]) / int(meta["rank"])
     layers = sorted({k.rpartition(".")[0] for k in tensors})

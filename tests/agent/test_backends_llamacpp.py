@@ -258,3 +258,17 @@ def test_embedded_model_answers_and_matches_transformers() -> None:
     assert out.completion_logprobs == pytest.approx(expected, abs=0.4)
     gaps = [abs(a - b) for a, b in zip(out.completion_logprobs, expected, strict=True)]
     assert sum(gaps) / len(gaps) < 0.1
+
+
+def test_a_lora_checkpoint_converts_its_model_weights_not_its_adapter(tmp_path):
+    """A LoRA run's checkpoint holds the merged model and, beside it, the adapter
+    (`adapter.safetensors`); the GGUF is made from the model's files only."""
+    from opencomposer.agent.backends._gguf import model_weights
+
+    for name in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "adapter.safetensors").write_bytes(b"")
+    assert [p.name for p in model_weights(tmp_path)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
