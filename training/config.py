@@ -109,6 +109,9 @@ class SftSection:
     lr: float = 1e-5
     micro_batch_size: int = 4
     max_examples: int = 512
+    # ``--sft``: continue from this checkpoint (a ``step_N`` folder of an earlier run):
+    # its weights (a LoRA run: its adapters) and optimizer state, e.g. one more epoch.
+    init: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -315,6 +315,11 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
             )
     samples = data.samples[: cfg.max_examples]
     rollout_s = time.perf_counter() - t0
+    if cfg.init:
+        init = Path(cfg.init).expanduser()
+        if not (init / "config.json").is_file():
+            raise ConfigError(f"[sft] init: {init} is not a checkpoint folder")
+        run.trainer.load(init)
     stats = fit(
         run.trainer,
         samples,

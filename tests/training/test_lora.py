@@ -157,3 +157,39 @@ def test_ship_copies_the_adapter_and_writes_the_card(tmp_path):
     assert (tmp_path / "shipped" / "adapter.safetensors").is_file()
     with pytest.raises(ShipError, match="no checkpoint with a LoRA adapter"):
         ship(tmp_path / "empty", dest=tmp_path / "x")
+
+
+def test_sft_init_continues_from_a_checkpoint(tmp_path, monkeypatch):
+    """`[sft] init`: one more epoch starts from an earlier run's adapters and optimizer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from opencomposer.training import sft as sftmod
+    from opencomposer.training.config import ConfigError, SftSection
+    from opencomposer.training.lora import adapter_state
+
+    data = SimpleNamespace(samples=_samples(), sessions_used=4, sessions_skipped=0)
+    first = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+    first.sft_step(data.samples)
+    first.save(tmp_path / "first" / "step_1")
+
+    async def samples(run):
+        return data
+
+    monkeypatch.setattr(sftmod, "trace_samples", samples)
+
+    def run_with(init: str) -> Trainer:
+        tr = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+        sft = SftSection(source="traces", init=init, epochs=1, lr=0.0, micro_batch_size=4)
+        cfg = SimpleNamespace(sft=sft, run=SimpleNamespace(seed=0))
+        asyncio.run(
+            sftmod.run_sft(SimpleNamespace(config=cfg, out=tmp_path / init[-6:], trainer=tr))
+        )
+        return tr
+
+    tr = run_with(str(tmp_path / "first" / "step_1"))  # lr 0: the step keeps the loaded adapters
+    assert tr.version == 2
+    for name, t in adapter_state(first.model).items():
+        assert torch.equal(adapter_state(tr.model)[name], t)
+    with pytest.raises(ConfigError, match="not a checkpoint folder"):
+        run_with(str(tmp_path / "absent"))
