@@ -39,6 +39,18 @@ from opencomposer.agent.backends.adapter import (
 LoraError = AdapterError  # one name for both: a bad adapter, in training or at load time
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraError", "merge_adapter", "read_adapter"]
 
+# A checkpoint keeps its adapter in this subfolder: vLLM and transformers load every
+# ``*.safetensors`` of a model folder, and the merged model beside it is what they serve.
+CHECKPOINT_ADAPTER = "adapter"
+
+
+def checkpoint_adapter(checkpoint: Path) -> Path:
+    """The folder holding a LoRA checkpoint's adapter (``adapter/``; the checkpoint
+    itself for one saved before the subfolder)."""
+    sub = Path(checkpoint) / CHECKPOINT_ADAPTER
+    return sub if (sub / ADAPTER_WEIGHTS).is_file() else Path(checkpoint)
+
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

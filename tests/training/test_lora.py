@@ -79,7 +79,9 @@ def test_checkpoint_resumes_the_adapters_exactly(tmp_path):
     a = Trainer(tiny_llama(seed=0), cfg)
     a.sft_step(_samples())
     a.save(tmp_path / "ck")
-    assert (tmp_path / "ck" / "adapter.safetensors").is_file()
+    # the adapter beside, not among, the model's weights: vLLM loads every *.safetensors
+    assert (tmp_path / "ck" / "adapter" / "adapter.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "ck").glob("*.safetensors")] == ["model.safetensors"]
     b = Trainer(tiny_llama(seed=0), cfg)
     b.load(tmp_path / "ck")
     for s in (a, b):
