@@ -415,12 +415,30 @@ async def record_demos(
     return stats
 
 
+def spread(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
+    """Up to ``n`` of ``tasks``, taken round-robin over their projects (``source``) in
+    a seeded order, so a capped warm start sees every project, not the first few."""
+    import random
+
+    rng = random.Random(seed)
+    by_source: dict[str, list[Any]] = {}
+    for t in sorted(tasks, key=lambda t: t.id):
+        by_source.setdefault(str(getattr(t, "source", "")), []).append(t)
+    queues = [by_source[k] for k in sorted(by_source)]
+    for q in queues:
+        rng.shuffle(q)
+    out: list[Any] = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop())
+    return out
+
+
 def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: int) -> list[Any]:
     """The tasks to demonstrate next so that ``store`` holds up to ``limit``
     demonstrations in prompt ``style``: those not recorded there yet, taken round-robin
     over their projects (a store filled in several sittings tops up, never repeats)."""
-    from opencomposer.training.sft import spread
-
     done = set()
     for s in store.list_sessions(100_000):
         meta = (store.get(s["session_id"]) or {}).get("meta") or {}

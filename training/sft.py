@@ -163,26 +163,6 @@ def demo_style(run: Any) -> str:
     return run.prompt_style or "full"
 
 
-def spread(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
-    """Up to ``n`` of ``tasks``, taken round-robin over their projects (``source``) in
-    a seeded order, so a capped warm start sees every project, not the first few."""
-    import random
-
-    rng = random.Random(seed)
-    by_source: dict[str, list[Any]] = {}
-    for t in sorted(tasks, key=lambda t: t.id):
-        by_source.setdefault(str(getattr(t, "source", "")), []).append(t)
-    queues = [by_source[k] for k in sorted(by_source)]
-    for q in queues:
-        rng.shuffle(q)
-    out: list[Any] = []
-    while len(out) < n and any(queues):
-        for q in queues:
-            if q and len(out) < n:
-                out.append(q.pop())
-    return out
-
-
 async def ensure_demos(run: Any, db: Path) -> Any:
     """Record demonstrations of the run's training tasks into ``db`` (the ones not
     recorded there yet in this prompt style), on the run's environment server."""
