@@ -64,7 +64,7 @@ def run_models(run: Path) -> list[tuple[str, str]]:
 def sample_suite(n: int, seed: int, dest: Path) -> list[str]:
     """Link a round-robin sample of `n` held-out corpus tasks into `dest`; their ids."""
     from opencomposer.training.catalog import load_suite
-    from opencomposer.training.sft import spread
+    from opencomposer.training.demos import spread
 
     tasks = spread(load_suite("corpus:heldout"), n, seed)
     if not tasks:
