@@ -435,15 +435,19 @@ def spread(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
     return out
 
 
+def demo_metas(store: Any) -> list[dict[str, Any]]:
+    """The ``meta`` of every demonstration recorded in ``store`` (a ``TraceStore``)."""
+    metas = [
+        (store.get(s["session_id"]) or {}).get("meta") or {} for s in store.list_sessions(100_000)
+    ]
+    return [m for m in metas if m.get("source") == "demo"]
+
+
 def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: int) -> list[Any]:
     """The tasks to demonstrate next so that ``store`` holds up to ``limit``
     demonstrations in prompt ``style``: those not recorded there yet, taken round-robin
     over their projects (a store filled in several sittings tops up, never repeats)."""
-    done = set()
-    for s in store.list_sessions(100_000):
-        meta = (store.get(s["session_id"]) or {}).get("meta") or {}
-        if meta.get("source") == "demo" and meta.get("prompt_style") == style:
-            done.add(meta.get("task_id"))
+    done = {m.get("task_id") for m in demo_metas(store) if m.get("prompt_style") == style}
     want = max(0, limit - len(done))
     return spread([t for t in tasks if t.id not in done], want, seed)
 

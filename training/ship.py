@@ -111,16 +111,13 @@ def _demonstrations(run: Path) -> dict[str, int] | None:
     if not path.is_file():
         return None
     from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.demos import demo_metas
 
     store = TraceStore(path)
     try:
-        metas = [
-            (store.get(s["session_id"]) or {}).get("meta") or {}
-            for s in store.list_sessions(100_000)
-        ]
+        demos = demo_metas(store)
     finally:
         store.close()
-    demos = [m for m in metas if m.get("source") == "demo"]
     return {"recorded": len(demos), "accepted": sum(1 for m in demos if m.get("accepted"))}
 
 
