@@ -278,8 +278,8 @@ SPECS: tuple[ToolSpec, ...] = (
         kind="edit",
         footprint=_path_writes,
         example=(
-            '<edit_file path="src/app.py">\n<old>    return a - b</old>\n'
-            "<new>    return a + b</new>\n</edit_file>"
+            '<edit_file path="src/app.py">\n<old>def load(path):</old>\n'
+            "<new>def load(path: str) -> dict:</new>\n</edit_file>"
         ),
         rule="Edit with edit_file: <old> must match the file once; include enough context.",
     ),

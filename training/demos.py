@@ -62,7 +62,7 @@ class DemoError(ValueError):
 class DemoStats:
     recorded: int = 0
     accepted: int = 0
-    skipped: int = 0  # training tasks without a solution.json
+    skipped: int = 0  # training tasks without a solution.json, or whose request leads nowhere
     failed: list[str] = field(default_factory=list)  # task ids whose demo did not resolve
     session_ids: list[str] = field(default_factory=list)  # the accepted ones
 
@@ -177,62 +177,112 @@ def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
 # The pytest options the verify command adds for the harness; a person leaves them out.
 _HARNESS_OPTS = ("-q", "-p", "no:cacheprovider", "no:xdist", "no:randomly")
 
+# A file this short is read whole; a longer one is searched first, then read in part.
+SMALL_FILE_LINES = 100
 
-def reproduce_command(task: Any, solution: dict[str, Any], *, whole_files: bool) -> str:
-    """The command an engineer types to see the failure: plain ``python -m pytest``
-    (the workspace's conftest puts its paths on sys.path) with the project's own
-    options, short tracebacks and ``-x``, on the first failing test, or on the test
-    files the task protects when ``whole_files`` (or when the failing ids are unknown)."""
+
+def pytest_command(task: Any, targets: Sequence[str] = (), *, k: str | None = None) -> str:
+    """The command an engineer types to run tests: plain ``python -m pytest`` (the
+    workspace's conftest puts its paths on sys.path) with the project's own options,
+    short tracebacks and ``-x``, on ``targets`` (test ids or files), or on the tests
+    whose names match ``k``."""
     words = shlex.split(task.verify)
     try:
         at = words.index("pytest")
     except ValueError:
         return task.verify
     protect = set(getattr(task, "protect", ()) or ())
-    own = [w for w in words[at + 1 :] if w not in protect]
     keep, skip = [], False
-    for w in own:
+    for w in words[at + 1 :]:
         if skip:
             skip = False
-            continue
-        if w == "-p":
+        elif w == "-p":
             skip = True  # with its plugin name
-            continue
-        if w not in _HARNESS_OPTS:
+        elif w not in _HARNESS_OPTS and w not in protect:
             keep.append(w)
-    failing = [str(f) for f in solution.get("failing", []) if isinstance(f, str)]
-    targets = sorted(protect) if whole_files or not failing else failing[:1]
+    select = ["-k", k] if k else []
     return " ".join(
         shlex.quote(w)
-        for w in ["python", "-m", "pytest", "-x", "-q", "--tb=short", *keep, *targets]
+        for w in ["python", "-m", "pytest", "-x", "-q", "--tb=short", *keep, *select, *targets]
     )
 
 
-def function_lines(task: Any, path: str, line: int, *, most: int = 60) -> tuple[int, int]:
-    """The lines of the innermost function around ``line`` in the task's (broken)
-    workspace file, at most ``most`` of them centred on ``line``; a window of
-    ``most`` lines when the file does not parse."""
-    start, end = max(1, line - most // 2), line + most // 2
+@dataclass(frozen=True)
+class Request:
+    """What a request tells an engineer, read from its text alone (never the solution):
+    the failing test's id, or only its name; the functions it names, with their files
+    where it gives them."""
+
+    test_id: str = ""
+    test_name: str = ""
+    functions: dict[str, str] = field(default_factory=dict)  # name -> path ("" unknown)
+
+
+_TEST_ID = re.compile(r"`([\w./-]+\.py(?:::[\w\[\]./-]+)+)`")
+_TEST_NAME = re.compile(r"\b(test_\w+)\b")
+_IN_FILE = re.compile(r"\b([A-Za-z_][\w.]*) in ([\w./-]+\.py)\b")
+_SUBJECT = re.compile(r"`([A-Za-z_][\w.]*)`")
+
+
+def read_request(query: str) -> Request:
+    """The test and the functions ``query`` names (see `Request`)."""
+    first = query.split("```", 1)[0]  # the request, not the output it quotes
+    test_id = next(iter(_TEST_ID.findall(first)), "")
+    name = test_id.split("::")[-1].split("[")[0] if test_id else ""
+    if not name:
+        name = next(iter(_TEST_NAME.findall(first)), "")
+    functions = {f: p for f, p in _IN_FILE.findall(first) if not f.startswith("test_")}
+    if not functions:
+        functions = {f: "" for f in _SUBJECT.findall(first) if "::" not in f and f != name}
+    return Request(test_id=test_id, test_name=name, functions=functions)
+
+
+def _source(task: Any, path: str) -> str:
+    """The text of ``path`` in the task's (broken) workspace; "" when absent."""
     try:
         with tarfile.open(task.repo_tar) as tar:
             member = tar.extractfile(path)
-            text = member.read().decode("utf-8") if member else ""
+            return member.read().decode("utf-8") if member else ""
+    except (OSError, KeyError, tarfile.TarError, UnicodeDecodeError):
+        return ""
+
+
+def _functions(text: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    try:
         tree = ast.parse(text)
-    except (OSError, KeyError, tarfile.TarError, SyntaxError, UnicodeDecodeError, ValueError):
-        return start, end
+    except (SyntaxError, ValueError):
+        return []
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def function_lines(task: Any, path: str, line: int, *, most: int = 60) -> tuple[int, int]:
+    """The lines of the innermost function around ``line`` in the task's workspace
+    file, from its ``def`` line (where a grep for it lands), at most ``most`` of them;
+    a window of ``most`` lines around ``line`` when the file does not parse."""
     best: tuple[int, int] | None = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            lo = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            hi = node.end_lineno or node.lineno
-            if lo <= line <= hi and (best is None or hi - lo < best[1] - best[0]):
-                best = (lo, hi)
+    for node in _functions(_source(task, path)):
+        lo, hi = node.lineno, node.end_lineno or node.lineno
+        if lo <= line <= hi and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
     if best is None:
-        return start, end
+        return max(1, line - most // 2), line + most // 2
     lo, hi = best
     if hi - lo + 1 > most:
-        lo, hi = max(lo, line - most // 2), min(hi, line + most // 2)
+        lo, hi = max(lo, line - most // 2), min(hi, max(lo, line - most // 2) + most - 1)
     return lo, hi
+
+
+def test_lines(task: Any, test_id: str) -> tuple[str, int, int, str] | None:
+    """``(file, first, last, source)`` of the test function ``test_id`` names."""
+    file, *rest = test_id.split("::")
+    name = rest[-1].split("[")[0] if rest else ""
+    text = _source(task, file)
+    for node in _functions(text):
+        if node.name == name:
+            hi = min(node.end_lineno or node.lineno, node.lineno + 39)
+            body = "\n".join(text.splitlines()[node.lineno - 1 : hi])
+            return file, node.lineno, hi, body
+    return None
 
 
 # The bug kinds of `training/mining.py`, as a reviewer would name them.
@@ -269,87 +319,157 @@ def _locate_pattern(function: str) -> str:
     return rf"def {name}\b"
 
 
+def _called_name(function: str) -> str:
+    """The word a caller of ``function`` writes: its name, or its class for a dunder."""
+    parts = function.split(".")
+    if parts[-1].startswith("__") and parts[-1].endswith("__") and len(parts) > 1:
+        return parts[-2]
+    return parts[-1]
+
+
+def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> str:
+    return "\n".join([rng.choice(options), *calls])
+
+
 def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
-    """What a good engineer does with a failing test, as assistant turns: reproduce
-    it with ``run_terminal``, locate the function (``grep`` for its definition,
-    ``codebase_search``, or a direct read when the request names the file), read it,
-    fix it with ``edit_file``, run the test again, and answer in a sentence or two.
-    Independent calls share a message, so the policy learns to batch them; the
-    order, the tools and the wording vary with the task's id (seeded), so it does
-    not learn one fixed script."""
+    """What a good engineer does with a bug report, as assistant turns, each step
+    derived from what the session shows at that point (the request, then the tool
+    results), never from the solution's hidden facts:
+
+    - the request names the failing test's id: run it, and read the test (grep for
+      its ``def``) to see what it calls; grep for the called function, read it;
+    - it names the test and the function's file: run the test (``-k NAME``) and read
+      the file (whole when short, else grep for the ``def`` and read from its line);
+    - it names only the function: grep for its ``def`` (or ``codebase_search``), read
+      it, and after the fix run the module's test file.
+
+    Then fix it with ``edit_file``, run the test again and answer in a sentence or
+    two. Independent calls share a message, so the policy learns to batch them; the
+    order and wording vary with the task's id (seeded). Raises `DemoError` when the
+    request does not lead to the code (an issue that names no function, a test that
+    does not call it): such a session would teach guessing."""
     rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     functions = [str(f) for f in solution.get("functions", [])]
     kind = str(solution.get("kind", "bug"))
-    query: str = task.query
-    repro = reproduce_command(task, solution, whole_files=rng.random() < 0.3)
-    run = render_call(RUN_TERMINAL, command=repro)
+    req = read_request(task.query)
     # The functions are in (path, offset) order, the edits in the order they apply.
     ordered = sorted(edits, key=lambda e: (str(e["path"]), int(e.get("line", 1))))
     names = functions if len(functions) == len(ordered) else functions[:1] * len(ordered)
-    sites = [
-        (str(e["path"]), f, int(e.get("line", 1))) for e, f in zip(ordered, names, strict=True)
-    ]
-    defs = list(dict.fromkeys(f.rsplit(".", 1)[-1] for _, f, _ in sites))
-    patterns = list(dict.fromkeys(_locate_pattern(f) for _, f, _ in sites))
-    reads = []
-    for path, _, line in dict.fromkeys(sites):
+    sites = list(
+        dict.fromkeys(
+            (str(e["path"]), f, int(e.get("line", 1))) for e, f in zip(ordered, names, strict=True)
+        )
+    )
+    files = {path: _source(task, path) for path, _, _ in sites}
+
+    def read_site(path: str, line: int) -> str:
         lo, hi = function_lines(task, path, line)
-        reads.append(render_call(READ_FILE, path=path, start_line=lo, end_line=hi))
-    reads = list(dict.fromkeys(reads))
-    greps = [render_call(GREP, pattern=p, glob="*.py") for p in patterns]
-    named = all(path in query for path, _, _ in sites)
+        return render_call(READ_FILE, path=path, start_line=lo, end_line=hi)
+
+    def grep_site(function: str, path: str = "") -> str:
+        where = {"path": path} if path else {"glob": "*.py"}
+        return render_call(GREP, pattern=_locate_pattern(function), **where)
+
+    edit = [_edit_call(str(e["path"]), str(e["old"]), str(e["new"])) for e in edits]
     turns: list[str] = []
-    style = rng.random()
-    if named and style < 0.5:
-        # The request names the file: reproduce and read it at once.
+    if req.test_id:  # the test's id: run it, read it, follow its call to the code
+        found = test_lines(task, req.test_id)
+        if found is None or not all(
+            re.search(rf"\b{re.escape(_called_name(f))}\b", found[3]) for _, f, _ in sites
+        ):
+            raise DemoError(f"task {task.id}: the failing test does not name the buggy code")
+        file, lo, hi, _ = found
+        run = render_call(RUN_TERMINAL, command=pytest_command(task, [req.test_id]))
+        name = req.test_id.split("::")[-1].split("[")[0]
         turns.append(
-            rng.choice(
-                [
-                    "Let me run the failing test and read the code.",
-                    "Reproducing first, and reading the function meanwhile.",
-                ]
+            _say(
+                rng,
+                ["Let me run the failing test and find it.", "Reproducing it first."],
+                [run, render_call(GREP, pattern=rf"def {name}\b", path=file)],
             )
-            + "\n"
-            + "\n".join([run, *reads])
         )
-    elif style < 0.75:
         turns.append(
-            rng.choice(
-                [
-                    "First, reproduce the failure and find the function.",
-                    "Let me run the test and locate the code.",
-                ]
+            _say(
+                rng,
+                ["Reading the test to see what it calls.", "Let me read the test."],
+                [render_call(READ_FILE, path=file, start_line=lo, end_line=hi)],
             )
-            + "\n"
-            + "\n".join([run, *greps])
+        )
+        greps = list(dict.fromkeys(grep_site(f) for _, f, _ in sites))
+        turns.append(_say(rng, ["Now find where that is defined."], greps))
+        turns.append(
+            _say(
+                rng,
+                ["Reading it.", "Let me read the function."],
+                [read_site(p, ln) for p, _, ln in sites],
+            )
+        )
+        rerun = run
+    elif req.functions and req.test_name:  # the test's name and the function's file
+        if not all(req.functions.get(f) == p for p, f, _ in sites):
+            raise DemoError(f"task {task.id}: the request does not name the buggy function's file")
+        run = render_call(RUN_TERMINAL, command=pytest_command(task, k=req.test_name))
+        whole = {p for p in files if len(files[p].splitlines()) <= SMALL_FILE_LINES}
+        first = [
+            render_call(READ_FILE, path=p)
+            for p in dict.fromkeys(p for p, _, _ in sites)
+            if p in whole
+        ]
+        first += list(dict.fromkeys(grep_site(f, p) for p, f, _ in sites if p not in whole))
+        then = [read_site(p, ln) for p, _, ln in sites if p not in whole]
+        if rng.random() < 0.7:
+            turns.append(
+                _say(
+                    rng,
+                    [
+                        "Let me run the test and look at the code.",
+                        "Reproducing it, and reading meanwhile.",
+                    ],
+                    [run, *first],
+                )
+            )
+            if then:
+                turns.append(_say(rng, ["Reading the function.", "Let me read it."], then))
+        else:
+            turns.append(_say(rng, ["Let me look at the code first."], first))
+            turns.append(_say(rng, ["Now the test, and the function."], [run, *then]))
+        rerun = run
+    else:  # an issue: only the function's name
+        named = {f.rsplit(".", 1)[-1] for f in req.functions}
+        if not named or not all(f.rsplit(".", 1)[-1] in named for _, f, _ in sites):
+            raise DemoError(f"task {task.id}: the request names no function to look for")
+        if rng.random() < 0.7:
+            locate = list(dict.fromkeys(grep_site(f) for _, f, _ in sites))
+        else:
+            locate = [render_call(CODEBASE_SEARCH, query=" ".join(sorted(req.functions)))]
+        turns.append(
+            _say(rng, ["Let me find where it is defined.", "Searching for the code."], locate)
         )
         turns.append(
-            rng.choice(["Reading the function.", "Let me read it."]) + "\n" + "\n".join(reads)
+            _say(
+                rng,
+                ["Reading it.", "Let me read the function."],
+                [read_site(p, ln) for p, _, ln in sites],
+            )
         )
-    elif style < 0.9:
-        search = render_call(CODEBASE_SEARCH, query=" ".join(defs))
-        turns.append(
-            "Let me reproduce the failure and search for the code.\n" + "\n".join([run, search])
-        )
-        turns.append("Reading the function.\n" + "\n".join(reads))
-    else:
-        turns.append("Let me reproduce the failure first.\n" + run)
-        turns.append("Now find where it is defined.\n" + "\n".join(greps))
-        turns.append("\n".join(reads))
-    calls = [_edit_call(str(e["path"]), str(e["old"]), str(e["new"])) for e in edits]
+        protect = sorted(getattr(task, "protect", ()) or ())
+        module = [
+            t for t in protect if Path(t).name in {f"test_{Path(p).stem}.py" for p, _, _ in sites}
+        ]
+        rerun = render_call(RUN_TERMINAL, command=pytest_command(task, module or protect))
     lines = ", ".join(f"line {line}" for _, _, line in sites)
     turns.append(
-        rng.choice(
+        _say(
+            rng,
             [
                 f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
                 f"Found it: {_kind_words(kind)}. Fixing {lines}.",
-            ]
+            ],
+            edit,
         )
-        + "\n"
-        + "\n".join(calls)
     )
-    turns.append(rng.choice(["Running the test again.", "Checking the fix."]) + "\n" + run)
+    turns.append(_say(rng, ["Running the test again.", "Checking the fix."], [rerun]))
     where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
     turns.append(
         rng.choice(
@@ -364,6 +484,24 @@ def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- recording
+
+
+def _plan(task: Any, solution: dict[str, Any] | None) -> list[str] | None:
+    """The demonstration's turns; None when the task has no solution or its request
+    does not lead to the code (`expert_turns`)."""
+    if solution is None:
+        return None
+    try:
+        return demo_turns(task, solution)
+    except DemoError:
+        if getattr(task, "split", "") == "heldout":
+            raise
+        return None
+
+
+def demonstrable(task: Any) -> bool:
+    """Whether `record_demos` can play ``task`` (a training task with a usable solution)."""
+    return _plan(task, load_solution(task)) is not None
 
 
 async def record_demos(
@@ -385,10 +523,11 @@ async def record_demos(
     stats = DemoStats()
     for t in tasks:
         solution = load_solution(t)  # raises for held-out tasks, before anything runs
-        if solution is None:
+        turns = _plan(t, solution)
+        if turns is None:
             stats.skipped += 1
             continue
-        plans.append((t, demo_turns(t, solution)))
+        plans.append((t, turns))
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(task: Any, turns: list[str]) -> None:
@@ -449,7 +588,14 @@ def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: i
     over their projects (a store filled in several sittings tops up, never repeats)."""
     done = {m.get("task_id") for m in demo_metas(store) if m.get("prompt_style") == style}
     want = max(0, limit - len(done))
-    return spread([t for t in tasks if t.id not in done], want, seed)
+    todo = [t for t in tasks if t.id not in done]
+    out: list[Any] = []
+    for t in spread(todo, len(todo), seed):
+        if len(out) >= want:
+            break
+        if demonstrable(t):
+            out.append(t)
+    return out
 
 
 async def _main(suite: str, db: Path, prompt_style: str, limit: int, seed: int) -> DemoStats:

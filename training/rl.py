@@ -62,7 +62,13 @@ from opencomposer.training.rollouts import (
     turn_from,
 )
 from opencomposer.training.sessions import resolve_prompt_style, session_config
-from opencomposer.training.sft import collect_rejection_samples, fit, run_sft, trace_samples
+from opencomposer.training.sft import (
+    collect_rejection_samples,
+    fit,
+    load_init,
+    run_sft,
+    trace_samples,
+)
 from opencomposer.training.trainer import (
     Trainer,
     TrainerConfig,
@@ -244,6 +250,7 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
     own good rollouts (``"rejection"``: sampled afresh each round)."""
     cfg = run.config
     traces = None
+    load_init(run)
     for round_ in range(1, cfg.sft.warmup_rounds + 1):
         t0 = time.perf_counter()
         rollouts: list[Rollout] = []

@@ -268,6 +268,19 @@ def fit(
     return stats
 
 
+def load_init(run: Any) -> None:
+    """Start from the checkpoint ``[sft] init`` names, when it names one: a later SFT
+    stage (``--sft``, or the warm start before RL) continues an earlier one."""
+    from opencomposer.training.config import ConfigError
+
+    if not run.config.sft.init:
+        return
+    init = Path(run.config.sft.init).expanduser()
+    if not (init / "config.json").is_file():
+        raise ConfigError(f"[sft] init: {init} is not a checkpoint folder")
+    run.trainer.load(init)
+
+
 async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
     """``opencomposer train --sft``: fine-tune, write metrics and a loadable checkpoint.
 
@@ -295,11 +308,7 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
             )
     samples = data.samples[: cfg.max_examples]
     rollout_s = time.perf_counter() - t0
-    if cfg.init:
-        init = Path(cfg.init).expanduser()
-        if not (init / "config.json").is_file():
-            raise ConfigError(f"[sft] init: {init} is not a checkpoint folder")
-        run.trainer.load(init)
+    load_init(run)
     stats = fit(
         run.trainer,
         samples,

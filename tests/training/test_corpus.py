@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -25,7 +26,7 @@ import pytest
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training import corpus
 from opencomposer.training.catalog import load_suite
-from opencomposer.training.demos import demo_turns, reproduce_command
+from opencomposer.training.demos import DemoError, demo_turns
 from opencomposer.training.env import run_command
 from opencomposer.training.tasks import TaskError, safe_extract
 
@@ -207,21 +208,29 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
         assert asyncio.run(_run(plain, ws)) == 0, task.id
     assert corpus.export(out, tmp_path / "none", split="train") == []
 
-    # The engineer's demonstration: its reproduce command fails before the fix and
-    # passes after it, run plainly in the workspace (as run_terminal would).
-    for task in checked:
+    # The engineer's demonstration: the test command it runs (derived from the request
+    # alone) fails before the fix and passes after it, run plainly in the workspace (as
+    # run_terminal would).
+    played = 0
+    for task in suite:
         sol = sols[task.id]
         assert sol["failing"] and all("::" in f for f in sol["failing"])
-        turns = demo_turns(task, sol)
+        try:
+            turns = demo_turns(task, sol)
+        except DemoError:
+            continue  # the request does not lead to the code; never played
+        played += 1
         assert turns[-1] and "<" not in turns[-1]  # a plain answer ends it
-        for whole in (False, True):
-            cmd = reproduce_command(task, sol, whole_files=whole)
+        commands = set(re.findall(r"<command>(.*?)</command>", "\n".join(turns)))
+        assert commands, turns
+        for i, cmd in enumerate(sorted(commands)):
             assert "PYTHONPATH" not in cmd and cmd.startswith("python -m pytest -x")
-            ws = tmp_path / "demo" / f"{task.id}-{whole}"
+            ws = tmp_path / "demo" / f"{task.id}-{i}"
             safe_extract(task.repo_tar, ws)
             assert asyncio.run(_run(cmd, ws)) != 0, cmd
             _fix(ws, sol["edits"])
             assert asyncio.run(_run(cmd, ws)) == 0, cmd
+    assert played >= 2
 
     # By suite name: the corpus exported once into the cache, split as built.
     monkeypatch.setenv("OPENCOMPOSER_CORPUS", str(out))

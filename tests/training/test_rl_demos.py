@@ -213,3 +213,92 @@ def test_checkpoints_say_the_prompt_style_they_were_trained_with(tmp_path):
     assert read_prompt_style(tr.save(tmp_path / "a")) == "full"  # says nothing: full
     tr.prompt_style = "compact"
     assert read_prompt_style(tr.save(tmp_path / "b")) == "compact"
+
+
+CART = (
+    "class Cart:\n"
+    "    def __init__(self):\n"
+    "        self.items = []\n"
+    "\n"
+    "    def subtotal(self):\n"
+    "        return sum(p for p, q in self.items)\n"
+)
+CART_TEST = (
+    "from shop.cart import Cart\n\n\ndef test_subtotal():\n    assert Cart().subtotal() == 0\n"
+)
+CART_FIX = {"path": "shop/cart.py", "old": "sum(p for p, q", "new": "sum(p * q for p, q", "line": 6}
+
+
+def _corpus_task(tmp_path, query, *, test=CART_TEST, cart=CART):
+    """A corpus-like task (a workspace tar, a verify command, protected tests)."""
+    import io
+    import tarfile
+    from types import SimpleNamespace
+
+    tar_path = tmp_path / f"repo{abs(hash(query))}.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name, text in {"shop/cart.py": cart, "tests/test_cart.py": test}.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return SimpleNamespace(
+        id="shop-cart-subtotal-1",
+        query=query,
+        split="train",
+        repo_tar=tar_path,
+        protect=["tests/test_cart.py"],
+        verify="PYTHONPATH=.deps python -m pytest -q -p no:cacheprovider tests/test_cart.py",
+    )
+
+
+SOLUTION = {"functions": ["Cart.subtotal"], "kind": "dropped factor", "edits": [CART_FIX]}
+
+
+def test_expert_turns_follow_only_what_the_request_shows(tmp_path):
+    from opencomposer.training.demos import read_request
+
+    # one line: the test's name and the function's file -> run -k NAME, read the file
+    one = _corpus_task(tmp_path, "Fix Cart.subtotal in shop/cart.py: the test test_subtotal fails.")
+    assert read_request(one.query).functions == {"Cart.subtotal": "shop/cart.py"}
+    turns = demo_turns(one, SOLUTION)
+    text = "\n".join(turns)
+    assert "-k test_subtotal" in text and '<read_file path="shop/cart.py"/>' in text
+    assert "tests/test_cart.py" not in text  # the request never named it
+    assert "<old>sum(p for p, q</old>" in text and "<" not in turns[-1]
+
+    # the test's id -> run it, read the test, grep the function it calls, read that
+    q = "`tests/test_cart.py::test_subtotal` started failing. Output:\n\n```\nE  assert 1 == 2\n```\n"
+    turns = demo_turns(_corpus_task(tmp_path, q), SOLUTION)
+    text = "\n".join(turns)
+    assert "tests/test_cart.py::test_subtotal</command>" in turns[0]
+    assert '<grep pattern="def test_subtotal\\b" path="tests/test_cart.py"/>' in turns[0]
+    assert '<read_file path="tests/test_cart.py" start_line="4" end_line="5"/>' in turns[1]
+    assert 'pattern="def subtotal\\b"' in turns[2]
+    assert '<read_file path="shop/cart.py" start_line="5" end_line="6"/>' in turns[3]
+    # ... but a test that never names the function leads nowhere: not demonstrated
+    blind = "def test_subtotal():\n    assert helper() == 0\n"
+    with pytest.raises(DemoError, match="does not name"):
+        demo_turns(_corpus_task(tmp_path, q, test=blind), SOLUTION)
+
+    # an issue naming the function -> locate, read, fix, then run the module's tests
+    q = "Bug report: `Cart.subtotal` in shop gives wrong results.\n\n```\nE  assert 1 == 2\n```\n"
+    turns = demo_turns(_corpus_task(tmp_path, q), SOLUTION)
+    assert "<run_terminal>" not in turns[0] and "subtotal" in turns[0]
+    assert "--tb=short tests/test_cart.py</command>" in turns[-2]
+    # an issue that names no function is not demonstrated
+    anon = "Bug report: shop gives wrong results.\n\n```\nE  assert 1 == 2\n```\n"
+    with pytest.raises(DemoError, match="names no function"):
+        demo_turns(_corpus_task(tmp_path, anon), SOLUTION)
+
+
+def test_make_demo_request_reads_as_a_one_line_request():
+    from opencomposer.training.demos import read_request
+
+    query = (
+        "The test test_subtotal_counts_quantities fails. "
+        "Fix Cart.subtotal in shop/cart.py so it counts quantities."
+    )
+    req = read_request(query)
+    assert req.test_name == "test_subtotal_counts_quantities" and not req.test_id
+    assert req.functions == {"Cart.subtotal": "shop/cart.py"}
