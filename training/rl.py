@@ -250,7 +250,6 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
     own good rollouts (``"rejection"``: sampled afresh each round)."""
     cfg = run.config
     traces = None
-    load_init(run)
     for round_ in range(1, cfg.sft.warmup_rounds + 1):
         t0 = time.perf_counter()
         rollouts: list[Rollout] = []
@@ -330,6 +329,10 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
             f"resumed from {ckpt} (step {start_step}, weight version {run.trainer.version})",
             flush=True,
         )
+    elif cfg.sft.init:  # a fresh run continues an earlier stage's checkpoint
+        load_init(run)
+        await sync.push(run.trainer.named_weights(), run.trainer.version)
+        print(f"started from {cfg.sft.init} ([sft] init)", flush=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     tasks = _Counter(task_cycle(run.tasks, seed=cfg.run.seed, skip=cursor), cursor)
     scfg = session_config(cfg, prompt_style=run.prompt_style)

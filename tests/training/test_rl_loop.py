@@ -256,3 +256,20 @@ async def test_trace_warm_start_without_accepted_traces_is_one_clear_error(tmp_p
     )
     with pytest.raises(ConfigError, match="no accepted traces"):
         await run_loop(run)
+
+
+async def test_sft_init_starts_rl_from_an_earlier_stage(tmp_path):
+    """`[sft] init` on a fresh RL run: the trainer and the sampler start from that
+    checkpoint's weights (an SFT stage's), not the base model."""
+    import dataclasses
+
+    first = make_run(tmp_path / "sft", steps=2)
+    await run_loop(first)
+    init = tmp_path / "sft" / "checkpoints" / "step_2"
+    run = make_run(tmp_path / "rl", steps=1)
+    run.config = dataclasses.replace(
+        run.config, sft=dataclasses.replace(run.config.sft, init=str(init))
+    )
+    await run_loop(run)
+    assert run.trainer.version == 3 and run.sampler.weight_version == 3  # 2 loaded + 1 step
+    assert [r["step"] for r in lines(tmp_path / "rl")] == [0, 1]
