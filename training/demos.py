@@ -368,8 +368,10 @@ def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
         return render_call(READ_FILE, path=path, start_line=lo, end_line=hi)
 
     def grep_site(function: str, path: str = "") -> str:
-        where = {"path": path} if path else {"glob": "*.py"}
-        return render_call(GREP, pattern=_locate_pattern(function), **where)
+        pattern = _locate_pattern(function)
+        if path:
+            return render_call(GREP, pattern=pattern, path=path)
+        return render_call(GREP, pattern=pattern, glob="*.py")
 
     edit = [_edit_call(str(e["path"]), str(e["old"]), str(e["new"])) for e in edits]
     turns: list[str] = []
