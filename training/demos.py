@@ -255,21 +255,27 @@ def _functions(text: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
 
 
-def function_lines(task: Any, path: str, line: int, *, most: int = 60) -> tuple[int, int]:
-    """The lines of the innermost function around ``line`` in the task's workspace
-    file, from its ``def`` line (where a grep for it lands), at most ``most`` of them;
-    a window of ``most`` lines around ``line`` when the file does not parse."""
+# A read after a grep starts at the hit and takes this many lines: the policy cannot know
+# how long a function is before it reads it, so the window does not depend on that.
+READ_WINDOW = 40
+
+
+def function_lines(
+    task: Any, path: str, line: int, *, window: int = READ_WINDOW
+) -> tuple[int, int]:
+    """The lines an engineer reads to see ``line`` of the task's workspace file: from
+    the ``def`` line of the innermost function around it (where a grep for it lands),
+    ``window`` lines; longer only when ``line`` lies further down, to show it. A
+    window around ``line`` when the file does not parse."""
     best: tuple[int, int] | None = None
     for node in _functions(_source(task, path)):
         lo, hi = node.lineno, node.end_lineno or node.lineno
         if lo <= line <= hi and (best is None or hi - lo < best[1] - best[0]):
             best = (lo, hi)
     if best is None:
-        return max(1, line - most // 2), line + most // 2
-    lo, hi = best
-    if hi - lo + 1 > most:
-        lo, hi = max(lo, line - most // 2), min(hi, max(lo, line - most // 2) + most - 1)
-    return lo, hi
+        return max(1, line - window // 2), line + window // 2
+    lo = best[0]
+    return lo, max(lo + window - 1, line + 5)
 
 
 def test_lines(task: Any, test_id: str) -> tuple[str, int, int, str] | None:
@@ -279,8 +285,9 @@ def test_lines(task: Any, test_id: str) -> tuple[str, int, int, str] | None:
     text = _source(task, file)
     for node in _functions(text):
         if node.name == name:
-            hi = min(node.end_lineno or node.lineno, node.lineno + 39)
-            body = "\n".join(text.splitlines()[node.lineno - 1 : hi])
+            hi = node.lineno + READ_WINDOW - 1
+            end = min(node.end_lineno or hi, hi)  # what the read shows of the test
+            body = "\n".join(text.splitlines()[node.lineno - 1 : end])
             return file, node.lineno, hi, body
     return None
 
@@ -311,12 +318,9 @@ def _kind_words(kind: str) -> str:
 
 
 def _locate_pattern(function: str) -> str:
-    """A grep pattern for a function's definition; a dunder method is found by its class."""
-    parts = function.split(".")
-    name = parts[-1]
-    if name.startswith("__") and name.endswith("__") and len(parts) > 1:
-        return rf"class {parts[-2]}\b"
-    return rf"def {name}\b"
+    """A grep pattern for a function's definition (a method's, dunders included, by its
+    own name: the read then starts at the hit)."""
+    return rf"def {function.rsplit('.', 1)[-1]}\b"
 
 
 def _called_name(function: str) -> str:

@@ -273,9 +273,9 @@ def test_expert_turns_follow_only_what_the_request_shows(tmp_path):
     text = "\n".join(turns)
     assert "tests/test_cart.py::test_subtotal</command>" in turns[0]
     assert '<grep pattern="def test_subtotal\\b" path="tests/test_cart.py"/>' in turns[0]
-    assert '<read_file path="tests/test_cart.py" start_line="4" end_line="5"/>' in turns[1]
+    assert '<read_file path="tests/test_cart.py" start_line="4" end_line="43"/>' in turns[1]
     assert 'pattern="def subtotal\\b"' in turns[2]
-    assert '<read_file path="shop/cart.py" start_line="5" end_line="6"/>' in turns[3]
+    assert '<read_file path="shop/cart.py" start_line="5" end_line="44"/>' in turns[3]
     # ... but a test that never names the function leads nowhere: not demonstrated
     blind = "def test_subtotal():\n    assert helper() == 0\n"
     with pytest.raises(DemoError, match="does not name"):
@@ -302,3 +302,14 @@ def test_make_demo_request_reads_as_a_one_line_request():
     req = read_request(query)
     assert req.test_name == "test_subtotal_counts_quantities" and not req.test_id
     assert req.functions == {"Cart.subtotal": "shop/cart.py"}
+
+
+def test_a_method_is_found_by_its_own_def_and_read_from_the_hit(tmp_path):
+    from opencomposer.training.demos import READ_WINDOW, _locate_pattern, function_lines
+
+    assert _locate_pattern("Bits.__getitem__") == r"def __getitem__\b"
+    assert _locate_pattern("Cart.subtotal") == r"def subtotal\b"
+    long = "def f():\n" + "    x = 1\n" * 80 + "    return x\n"
+    task = _corpus_task(tmp_path, "q", cart=long)
+    assert function_lines(task, "shop/cart.py", 3) == (1, READ_WINDOW)  # fixed window
+    assert function_lines(task, "shop/cart.py", 70) == (1, 75)  # stretched to show the line
