@@ -35,7 +35,7 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 LLAMA_NO_COMMON := $(CURDIR)/.venv/llama-cpp-no-common.cmake
 
 # torch comes from pip, which finds the CPU build on this machine's disk. uv installs the
-# rest (~30 s where pip took ~4 min): it downloads and unpacks in parallel, and reads
+# rest (~50 s on a fresh machine, where pip took ~4 min): it downloads and unpacks in parallel, and reads
 # pip's configured indexes, find-links and constraints, so both resolve alike. Where uv
 # fails, pip installs the rest as before.
 UV := .venv/bin/uv

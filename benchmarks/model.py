@@ -194,11 +194,9 @@ async def engine_rates(spec: str, runs: int, batch: int) -> dict[str, float]:
 BARE_VLLM = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-from opencomposer.agent.backends._local import read_context_window
+from opencomposer.agent.backends.vllm import VLLMModel
 folder, ids, runs, batch, tokens = json.loads(sys.argv[1])
-llm = LLM(model=folder, dtype="bfloat16", max_model_len=read_context_window(folder),
-          max_num_seqs=16, kv_cache_memory_bytes=2**30, enforce_eager=True, seed=0,
-          disable_log_stats=True)
+llm = LLM(**VLLMModel(folder).engine_args())
 prompt = {"prompt_token_ids": ids}
 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 best = 0.0

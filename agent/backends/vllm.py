@@ -117,28 +117,32 @@ class VLLMModel:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise ModelError(f"vLLM could not start {self.path}: {first}") from e
 
-    def _build_engine(self) -> Any:
-        self._stop_ids = sorted(self.tokenizer.stop_ids())  # loads the tokenizer off the loop
-        from vllm.engine.arg_utils import AsyncEngineArgs
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's engine arguments for this model (also what `benchmarks/model.py` gives
+        vLLM's offline `LLM` to measure the bare engine)."""
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         cpu = current_platform.is_cpu()
         eager = cpu if self.enforce_eager is None else self.enforce_eager
         kv_gib = self.kv_cache_gib if self.kv_cache_gib is not None else (1.0 if cpu else None)
+        return {
+            "model": self.path,
+            "tokenizer": self.path,
+            "dtype": self.dtype,
+            "max_model_len": self.context_window,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_memory_bytes": None if kv_gib is None else int(kv_gib * 2**30),
+            "enforce_eager": eager,
+            "seed": self.seed,
+            "disable_log_stats": True,
+        }
 
-        args = AsyncEngineArgs(
-            model=self.path,
-            tokenizer=self.path,
-            dtype=self.dtype,
-            max_model_len=self.context_window,
-            max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
-            enforce_eager=eager,
-            seed=self.seed,
-            disable_log_stats=True,
-        )
-        return AsyncLLM.from_engine_args(args)
+    def _build_engine(self) -> Any:
+        self._stop_ids = sorted(self.tokenizer.stop_ids())  # loads the tokenizer off the loop
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()))
 
     async def close(self) -> None:
         engine, self._engine = self._engine, None
