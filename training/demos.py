@@ -16,6 +16,10 @@ tool results as the tools rendered them, the edits. A demonstration whose
 episode is graded ``resolved`` is marked accepted (its edits ``accept``-ed, and
 ``meta.accepted``); the rest are kept but not accepted, and counted.
 
+Corpus tasks get an engineer's session instead (`expert_plan`): reproduce, locate,
+read, edit, rerun, answer; a share of them first make a wrong edit, see the rerun fail
+and correct it, with the wrong edit's turn kept out of the loss.
+
 Held-out tasks are refused (``DemoError``): their solutions are never read.
 
     python -m opencomposer.training.demos --suite starter:train --db demos.db \\
@@ -36,6 +40,7 @@ import random
 import re
 import shlex
 import tarfile
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,12 +137,33 @@ def line_edits(path: str, old: str, new: str) -> list[tuple[str, str]]:
     return pairs
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A demonstration: the assistant turns the scripted model plays, the turns the
+    policy must not learn from (``untrained``: a wrong first edit, played so that the
+    session shows its test still failing) and the turns whose test run must fail for
+    the story the next turns tell to be true (``must_fail``); indices into ``turns``."""
+
+    turns: list[str]
+    untrained: tuple[int, ...] = ()
+    must_fail: tuple[int, ...] = ()
+
+
 def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
-    """The assistant turns of a short demonstration: look, then edit, then answer.
-    A corpus task (its solution names the buggy ``functions``) gets an engineer's
-    session instead: `expert_turns`."""
+    """The assistant turns of `demo_plan`."""
+    return demo_plan(task, solution).turns
+
+
+def demo_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = None) -> Plan:
+    """A short demonstration: look, then edit, then answer. A corpus task (its solution
+    names the buggy ``functions``) gets an engineer's session instead: `expert_plan`
+    (``recovery``: see there)."""
     if solution.get("functions"):
-        return expert_turns(task, solution)
+        return expert_plan(task, solution, recovery=recovery)
+    return Plan(turns=_short_turns(task, solution))
+
+
+def _short_turns(task: Any, solution: dict[str, Any]) -> list[str]:
     query: str = task.query
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     answer = str(solution.get("answer", "")).strip() or "Done."
@@ -335,7 +361,52 @@ def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> st
     return "\n".join([rng.choice(options), *calls])
 
 
+# A share of the one-edit demonstrations make a plausible wrong fix first, rerun the
+# test, see it still fail and correct the edit: the policy sees a failing rerun lead to
+# another look at the code, never to an answer that claims success. The wrong edit's
+# turn is played (the session must show its failure) but not trained on.
+RECOVERY_SHARE = 0.3
+DEMO_MAX_TURNS = 8  # the turn budget of demonstrations, rollouts and the held-out bench
+
+
+def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
+    """What a plausible wrong first attempt leaves in place of the solution edit's
+    broken lines: another bug-like change inside them (a mutation `mining` would make),
+    neither the broken text nor the fix, and unique in the file once made (so the
+    correcting ``edit_file`` applies). None when the lines allow no such change."""
+    from opencomposer.training import mining
+
+    path, old, fixed = str(edit["path"]), str(edit["old"]), str(edit["new"])
+    source = _source(task, path)
+    if not old or source.count(old) != 1:
+        return None
+    data = source.encode()
+    a = data.index(old.encode())
+    b = a + len(old.encode())
+    every = {n.lineno: ["demo"] for n in _functions(source)}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "module.py").write_bytes(data)
+        found = mining.find_mutations(Path(tmp), "module.py", every, check=False)
+        inside = [m for m in found if a <= m.start and m.end <= b and m.checked()]
+    options: list[str] = []
+    for m in inside:
+        wrong = (data[a : m.start] + m.new.encode() + data[m.end : b]).decode()
+        if wrong in (old, fixed) or wrong in options:
+            continue
+        if source.replace(old, wrong).count(wrong) == 1:
+            options.append(wrong)
+    if not options:
+        return None
+    rng = random.Random(hashlib.sha1(f"{task.id}|wrong".encode()).hexdigest())
+    return rng.choice(sorted(options))
+
+
 def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
+    """The turns of `expert_plan` without a wrong first attempt."""
+    return expert_plan(task, solution, recovery=False).turns
+
+
+def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = None) -> Plan:
     """What a good engineer does with a bug report, as assistant turns, each step
     derived from what the session shows at that point (the request, then the tool
     results), never from the solution's hidden facts:
@@ -351,7 +422,11 @@ def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
     two. Independent calls share a message, so the policy learns to batch them; the
     order and wording vary with the task's id (seeded). Raises `DemoError` when the
     request does not lead to the code (an issue that names no function, a test that
-    does not call it): such a session would teach guessing."""
+    does not call it): such a session would teach guessing.
+
+    With ``recovery`` (None: for a seeded `RECOVERY_SHARE` of the tasks), a one-edit
+    task whose session fits `DEMO_MAX_TURNS` first gets a wrong edit (`wrong_fix`,
+    untrained), the rerun that fails, then the edit that corrects it."""
     rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     functions = [str(f) for f in solution.get("functions", [])]
@@ -465,17 +540,40 @@ def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
         ]
         rerun = render_call(RUN_TERMINAL, command=pytest_command(task, module or protect))
     lines = ", ".join(f"line {line}" for _, _, line in sites)
-    turns.append(
-        _say(
-            rng,
-            [
-                f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
-                f"Found it: {_kind_words(kind)}. Fixing {lines}.",
-            ],
-            edit,
+    fixing = [
+        f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
+        f"Found it: {_kind_words(kind)}. Fixing {lines}.",
+    ]
+    checking = ["Running the test again.", "Checking the fix."]
+    if recovery is None:
+        draw = random.Random(hashlib.sha1(f"{task.id}|recovery".encode()).hexdigest())
+        recovery = draw.random() < RECOVERY_SHARE
+    wrong = None
+    if recovery and len(edits) == 1 and len(turns) + 5 <= DEMO_MAX_TURNS:
+        wrong = wrong_fix(task, edits[0])
+    untrained: tuple[int, ...] = ()
+    must_fail: tuple[int, ...] = ()
+    if wrong is not None:
+        e = edits[0]
+        untrained = (len(turns),)
+        turns.append(_say(rng, fixing, [_edit_call(str(e["path"]), str(e["old"]), wrong)]))
+        must_fail = (len(turns),)
+        turns.append(_say(rng, checking, [rerun]))
+        turns.append(
+            _say(
+                rng,
+                [
+                    f"Still failing, so that was not it. {_kind_words(kind).capitalize()} "
+                    f"at {lines}; correcting my edit.",
+                    f"The test still fails: my change was wrong. Looking again, it is "
+                    f"{_kind_words(kind)} at {lines}.",
+                ],
+                [_edit_call(str(e["path"]), wrong, str(e["new"]))],
+            )
         )
-    )
-    turns.append(_say(rng, ["Running the test again.", "Checking the fix."], [rerun]))
+    else:
+        turns.append(_say(rng, fixing, edit))
+    turns.append(_say(rng, checking, [rerun]))
     where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
     turns.append(
         rng.choice(
@@ -486,21 +584,34 @@ def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
             ]
         )
     )
-    return turns
+    return Plan(turns=turns, untrained=untrained, must_fail=must_fail)
 
 
 # ---------------------------------------------------------------- recording
 
 
-def _plan(task: Any, solution: dict[str, Any] | None) -> list[str] | None:
-    """The demonstration's turns; None when the task has no solution or its request
-    does not lead to the code (`expert_turns`)."""
+def _plan(task: Any, solution: dict[str, Any] | None) -> Plan | None:
+    """The demonstration; None when the task has no solution or its request does not
+    lead to the code (`expert_plan`)."""
     if solution is None:
         return None
     try:
-        return demo_turns(task, solution)
+        return demo_plan(task, solution)
     except DemoError:
         return None
+
+
+def _failed_as_planned(trace: dict[str, Any], plan: Plan) -> bool:
+    """Whether every test run the plan needs to fail did (trace turns count from 1)."""
+    for i in plan.must_fail:
+        runs = [
+            c
+            for c in trace.get("tool_calls", [])
+            if c.get("turn") == i + 1 and c.get("name") == RUN_TERMINAL
+        ]
+        if not runs or any(c.get("status") == "ok" for c in runs):
+            return False
+    return True
 
 
 def demonstrable(task: Any) -> bool:
@@ -527,15 +638,15 @@ async def record_demos(
     stats = DemoStats()
     for t in tasks:
         solution = load_solution(t)  # raises for held-out tasks, before anything runs
-        turns = _plan(t, solution)
-        if turns is None:
+        plan = _plan(t, solution)
+        if plan is None:
             stats.skipped += 1
             continue
-        plans.append((t, turns))
+        plans.append((t, plan))
     gate = asyncio.Semaphore(max(1, concurrency))
 
-    async def one(task: Any, turns: list[str]) -> None:
-        model = ScriptedModel(turns, name=f"scripted:demo/{task.id}")
+    async def one(task: Any, plan: Plan) -> None:
+        model = ScriptedModel(plan.turns, name=f"scripted:demo/{task.id}")
         async with gate:
             res = await env.run_episode(
                 task, model_spec_or_factory=model, session_config=session_config, traces=store
@@ -543,9 +654,18 @@ async def record_demos(
         stats.recorded += 1
         sid = res.session_id
         ok = res.resolved and res.status == "completed" and bool(sid)
+        if ok and plan.must_fail:  # a wrong first edit that happened to pass tells a lie
+            ok = _failed_as_planned(store.export(sid) or {}, plan)
         if sid:
+            extra = {"untrained_turns": [i + 1 for i in plan.untrained]} if plan.untrained else {}
             store.set_meta(
-                sid, source="demo", task_id=task.id, accepted=ok, reward=res.reward, **(meta or {})
+                sid,
+                source="demo",
+                task_id=task.id,
+                accepted=ok,
+                reward=res.reward,
+                **extra,
+                **(meta or {}),
             )
         if ok:
             store.record_decision(sid, "*", "accept")
@@ -554,7 +674,7 @@ async def record_demos(
         else:
             stats.failed.append(task.id)
 
-    await asyncio.gather(*(one(t, turns) for t, turns in plans))
+    await asyncio.gather(*(one(t, plan) for t, plan in plans))
     return stats
 
 

@@ -59,6 +59,7 @@ class Turn:
     completion_ids: list[int]
     logprobs: list[float]
     weight_version: int | None = None
+    trained: bool = True  # False: its tokens stay in the context, out of the loss
 
 
 @dataclass(kw_only=True)
@@ -182,7 +183,7 @@ def samples_from_rollout(rollout: Rollout, advantage: float) -> list[Sample]:
             ids, mask, old = [], [], []
             delta = turn.prompt_ids
         ids += delta + turn.completion_ids
-        mask += [0] * len(delta) + [1] * len(turn.completion_ids)
+        mask += [0] * len(delta) + [int(turn.trained)] * len(turn.completion_ids)
         old += [0.0] * len(delta) + turn.logprobs
         if turn.weight_version is not None:
             version = turn.weight_version if version is None else min(version, turn.weight_version)

@@ -105,16 +105,21 @@ def samples_from_traces(
     traces: Iterable[dict[str, Any]], *, tokenizer: TraceTokenizer | None = None
 ) -> SftData:
     """Samples of every accepted trace (``TraceStore.export`` dicts). Turns without
-    token ids are tokenized by ``tokenizer``; without one, such sessions are skipped."""
+    token ids are tokenized by ``tokenizer``; without one, such sessions are skipped.
+    The turns a trace's ``meta.untrained_turns`` lists (a demonstration's wrong first
+    edit) stay in the context but out of the loss."""
     data = SftData(samples=[])
     for tr in traces:
         if not accepted(tr):
             continue
+        untrained = set((tr.get("meta") or {}).get("untrained_turns") or ())
         turns: list[Turn | None] = []
         for t in tr.get("turns", []):
             turn = turn_from_trace(t)
             if turn is None and tokenizer is not None and not t.get("redacted"):
                 turn = tokenizer.turn(t.get("messages") or [], t.get("text") or "")
+            if turn is not None and t.get("turn") in untrained:
+                turn.trained = False
             turns.append(turn)
         if not turns or any(t is None for t in turns):
             data.sessions_skipped += 1

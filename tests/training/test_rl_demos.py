@@ -12,26 +12,32 @@ recorded messages), with the loss on the assistant's tokens only.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import shutil
 
 import pytest
 from opencomposer.agent.protocols import Message
 from opencomposer.agent.traces import TraceStore
-from opencomposer.training import starter
+from opencomposer.training import demos, starter
 from opencomposer.training.catalog import load_suite
 from opencomposer.training.config import ConfigError, parse_config
 from opencomposer.training.demos import (
+    DEMO_MAX_TURNS,
     DemoError,
+    demo_plan,
     demo_turns,
     line_edits,
     load_solution,
     pending,
     record_demos,
     renamed_word,
+    wrong_fix,
 )
+from opencomposer.training.rollouts import Rollout, Turn, samples_from_rollout
 from opencomposer.training.sessions import resolve_prompt_style, session_config
 from opencomposer.training.sft import TraceTokenizer, accepted, samples_from_traces
-from opencomposer.training.tasks import load_task
+from opencomposer.training.tasks import load_task, write_task
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +319,143 @@ def test_a_method_is_found_by_its_own_def_and_read_from_the_hit(tmp_path):
     task = _corpus_task(tmp_path, "q", cart=long)
     assert function_lines(task, "shop/cart.py", 3) == (1, READ_WINDOW)  # fixed window
     assert function_lines(task, "shop/cart.py", 70) == (1, 75)  # stretched to show the line
+
+
+# The corpus's reference fixes are whole lines, broken -> fixed.
+CART_LINE = "        return sum(p for p, q in self.items)"
+LINE_FIX = {
+    "path": "shop/cart.py",
+    "old": CART_LINE,
+    "new": "        return sum(p * q for p, q in self.items)",
+    "line": 6,
+}
+LINE_SOLUTION = {**SOLUTION, "edits": [LINE_FIX]}
+ONE_LINE = "Fix Cart.subtotal in shop/cart.py: the test test_subtotal fails."
+
+
+def _rerun(turn: str) -> str:
+    found = re.search(r"<run_terminal>.*?</run_terminal>", turn, re.S)
+    assert found, turn
+    return found.group()
+
+
+def test_a_recovery_demo_edits_wrongly_first_then_corrects_the_edit(tmp_path):
+    task = _corpus_task(tmp_path, ONE_LINE)
+    plain = demo_plan(task, LINE_SOLUTION, recovery=False)
+    assert plain.untrained == plain.must_fail == ()
+    assert f"<old>{CART_LINE}</old>" in plain.turns[-3]
+    plan = demo_plan(task, LINE_SOLUTION, recovery=True)
+    assert len(plan.turns) == len(plain.turns) + 2 <= DEMO_MAX_TURNS
+    (k,) = plan.untrained
+    assert plan.must_fail == (k + 1,)
+    wrong = wrong_fix(task, LINE_FIX)
+    assert wrong is not None and wrong not in (CART_LINE, LINE_FIX["new"])
+    assert wrong.startswith("        return ")  # a change inside the broken line
+    # the wrong edit, the rerun, the edit that corrects it, the same rerun, the answer
+    assert f"<old>{CART_LINE}</old>" in plan.turns[k] and f"<new>{wrong}</new>" in plan.turns[k]
+    assert f"<old>{wrong}</old>" in plan.turns[k + 2]
+    assert f"<new>{LINE_FIX['new']}</new>" in plan.turns[k + 2]
+    assert _rerun(plan.turns[k + 1]) == _rerun(plan.turns[k + 3]) == _rerun(plain.turns[-2])
+    assert "<" not in plan.turns[-1]
+    # the same task, seeded: the share of recoveries is drawn per task id
+    assert demo_plan(task, LINE_SOLUTION) in (plain, plan)
+    # a session that is already long gets none (it would not fit the turn budget)
+    q = "`tests/test_cart.py::test_subtotal` started failing. Output:\n\n```\nE  assert 1 == 2\n```\n"
+    assert demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=True).untrained == ()
+    # nor a fix whose lines are not in the file
+    assert wrong_fix(task, {**LINE_FIX, "old": "        return 0"}) is None
+
+
+def test_untrained_turns_stay_in_the_context_out_of_the_loss():
+    turns = [
+        Turn(prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[0.0, 0.0]),
+        Turn(prompt_ids=[1, 2, 3, 4, 5], completion_ids=[6], logprobs=[0.0], trained=False),
+        Turn(prompt_ids=[1, 2, 3, 4, 5, 6, 7], completion_ids=[8, 9], logprobs=[0.0, 0.0]),
+    ]
+    (s,) = samples_from_rollout(Rollout(task_id="t", turns=turns), 1.0)
+    assert s.input_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert s.mask == [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    # from a stored trace: the turns its meta names (numbered from 1, as sessions do)
+    trace = {
+        "status": "completed",
+        "meta": {"accepted": True, "untrained_turns": [2]},
+        "turns": [
+            {
+                "turn": i + 1,
+                "prompt_token_ids": t.prompt_ids,
+                "completion_token_ids": t.completion_ids,
+                "completion_logprobs": t.logprobs,
+            }
+            for i, t in enumerate(turns)
+        ],
+    }
+    (s2,) = samples_from_traces([trace]).samples
+    assert s2.input_ids == s.input_ids and s2.mask == s.mask
+
+
+CART_WORKSPACE = {
+    "shop/__init__.py": "",
+    "shop/cart.py": CART,
+    "tests/test_cart.py": (
+        "from shop.cart import Cart\n\n\n"
+        "def test_subtotal():\n"
+        "    cart = Cart()\n"
+        "    cart.items += [(2.0, 3), (1.0, 1)]\n"
+        "    assert cart.subtotal() == 7.0\n"
+    ),
+}
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
+    """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
+    demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+    from opencomposer.training.sessions import demo_session_config
+
+    repo = tmp_path / "repo"
+    for name, text in CART_WORKSPACE.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    folder = write_task(
+        tmp_path / "task",
+        query=ONE_LINE,
+        verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
+        repo_dir=repo,
+        protect=["tests/test_cart.py"],
+        split="train",
+        source="corpus:cart",
+    )
+    (folder / "solution.json").write_text(json.dumps({**LINE_SOLUTION, "answer": "Fixed."}))
+    task = load_task(folder)
+    monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
+    plan = demo_plan(task, load_solution(task))
+    (k,) = plan.untrained
+    store = TraceStore(tmp_path / "demos.db")
+
+    async def go():
+        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
+        try:
+            await env.start()
+            return await record_demos(
+                [task],
+                env=env,
+                store=store,
+                session_config=demo_session_config(prompt_style="compact"),
+            )
+        finally:
+            await env.close()
+
+    stats = asyncio.run(go())
+    assert stats.accepted == stats.recorded == 1, stats.failed
+    (sid,) = stats.session_ids
+    tr = store.export(sid)
+    store.close()
+    assert tr["meta"]["untrained_turns"] == [k + 1]
+    runs = {c["turn"]: c["status"] for c in tr["tool_calls"] if c["name"] == "run_terminal"}
+    assert runs[k + 2] == "error" and runs[k + 4] == "ok"  # fails after the wrong edit only
+    (s,) = samples_from_traces([tr], tokenizer=tokenizer).samples
+    trained = tokenizer.chat.hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
+    wrong = wrong_fix(task, LINE_FIX)
+    assert f"<new>{wrong}</new>" not in trained and f"<old>{wrong}</old>" in trained
+    assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"] if t["turn"] != k + 1)
