@@ -54,6 +54,7 @@ picks one per task (`--query mixed`, deterministic per task id) or one for all.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import hashlib
 import io
@@ -81,6 +82,13 @@ from opencomposer.training.env import run_command
 from opencomposer.training.tasks import TaskError, pack_dir, safe_extract, write_task
 
 BUILDER_VERSION = 2  # bump when a rebuild would give different tasks for the same entry
+EXPORT_VERSION = 2  # bump when `export` writes different task folders from the same build
+
+# Part credit: an episode that changes every broken line (the file still parsing) earns
+# TOUCHED_WEIGHT of its reward without fixing the bug; verify earns the rest. GRPO then
+# ranks the rollouts of a group that edits the right lines above those that edit others
+# before any of them resolves the task. `resolved` is still verify's alone.
+TOUCHED_WEIGHT = 0.2
 DEPS_DIR = ".deps"
 SPLITS = ("train", "heldout")
 QUERY_KINDS = ("test", "issue", "oneline")
@@ -1411,6 +1419,7 @@ def export(
         if kind == "mixed":
             kind = QUERY_KINDS[int(hashlib.sha1(row["id"].encode()).hexdigest(), 16) % 3]
         snapshot = corpus / "projects" / rec["name"] / "snapshot.tar"
+        fixes = _solution_edits(snapshot, row["edits"])
         dest = write_task(
             out / row["id"],
             query=row["queries"][kind],
@@ -1421,6 +1430,10 @@ def export(
             protect=row["protect"],
             split=rec["split"],
             source=f"corpus:{rec['source']}",
+            reward={
+                "verify": 1.0 - TOUCHED_WEIGHT,
+                "checks": [{"command": touched_check(fixes), "weight": TOUCHED_WEIGHT}],
+            },
         )
         where = " and ".join(
             f"`{f}` in {e['path']}" for f, e in zip(row["functions"], row["edits"], strict=False)
@@ -1431,11 +1444,29 @@ def export(
             "query_kind": kind,
             "functions": row["functions"],
             "failing": row.get("failing", []),
-            "edits": _solution_edits(snapshot, row["edits"]),
+            "edits": fixes,
         }
         (dest / "solution.json").write_text(json.dumps(solution, indent=1) + "\n")
         made.append(dest)
     return made
+
+
+def touched_check(fixes: list[dict[str, Any]]) -> str:
+    """A command that passes when every fix's broken lines are gone from their file
+    (compared without whitespace, so re-indenting them is not a change) and each file
+    still parses: the part-credit check (`TOUCHED_WEIGHT`). The lines travel base64
+    encoded, so the command is one shell word whatever they contain."""
+    pairs = json.dumps([[f["path"], f["old"]] for f in fixes])
+    payload = base64.b64encode(pairs.encode()).decode()
+    code = (
+        "import ast,base64,json,sys;"
+        f"e=json.loads(base64.b64decode('{payload}'));"
+        "s=lambda x:''.join(x.split());"
+        "t={p:open(p,encoding='utf-8').read() for p,_ in e};"
+        "[ast.parse(v) for v in t.values()];"
+        "sys.exit(any(s(b) in s(t[p]) for p,b in e))"
+    )
+    return f"python -c {shlex.quote(code)}"
 
 
 def default_corpus() -> Path:
@@ -1456,7 +1487,7 @@ def ensure_export(corpus: Path | str | None = None) -> list[Path]:
             f"no built corpus at {src}: run `opencomposer tasks build-corpus --out {src}` "
             "(or set OPENCOMPOSER_CORPUS)"
         )
-    h = hashlib.sha256(str(src.resolve()).encode())
+    h = hashlib.sha256(f"{src.resolve()}:{EXPORT_VERSION}".encode())
     for d in sorted(p for p in projects.iterdir() if p.is_dir()):
         rec = _read_record(d)
         if rec and rec.get("status") == "built":

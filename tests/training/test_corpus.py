@@ -26,7 +26,7 @@ import pytest
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.training import corpus
 from opencomposer.training.catalog import load_suite
-from opencomposer.training.demos import DemoError, demo_turns
+from opencomposer.training.demos import DemoError, demo_turns, wrong_fix
 from opencomposer.training.env import run_command
 from opencomposer.training.tasks import TaskError, safe_extract
 
@@ -207,6 +207,37 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
         plain = "PYTHONDONTWRITEBYTECODE=1 python -m pytest -q tests/test_core.py"
         assert asyncio.run(_run(plain, ws)) == 0, task.id
     assert corpus.export(out, tmp_path / "none", split="train") == []
+
+    # Part credit (a reward check): every broken line changed, each file still parsing.
+    def credit(task, edits: list[dict]) -> bool:
+        ws = tmp_path / "credit" / f"{task.id}-{len(list((tmp_path / 'credit').glob('*')))}"
+        ws.parent.mkdir(exist_ok=True)
+        safe_extract(task.repo_tar, ws)
+        _fix(ws, edits)
+        (check,) = task.reward["checks"]
+        return asyncio.run(_run(check["command"], ws)) == 0
+
+    for task in checked:
+        assert task.reward["checks"][0]["weight"] == corpus.TOUCHED_WEIGHT
+        assert task.reward["verify"] == 1 - corpus.TOUCHED_WEIGHT
+        edits = sols[task.id]["edits"]
+        assert not credit(task, [])  # nothing changed
+        assert credit(task, edits)  # fixed
+        assert not credit(task, [{**e, "new": e["old"] + "  # looked at"} for e in edits])
+        spaced = [{**e, "new": e["old"].replace("\n", "   \n") + "   "} for e in edits]
+        assert not credit(task, spaced)  # trailing whitespace
+        assert not credit(task, [{**e, "new": e["new"] + " ("} for e in edits])  # no parse
+        if len(edits) > 1:
+            assert not credit(task, edits[:1])  # one of two sites
+    # a wrong change of the right line earns it too
+    task, wrong = next(
+        (t, w)
+        for t in suite
+        if len(sols[t.id]["edits"]) == 1
+        for w in [wrong_fix(t, sols[t.id]["edits"][0])]
+        if w is not None
+    )
+    assert credit(task, [{**sols[task.id]["edits"][0], "new": wrong}])
 
     # The engineer's demonstration: the test command it runs (derived from the request
     # alone) fails before the fix and passes after it, run plainly in the workspace (as
