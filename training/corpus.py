@@ -56,6 +56,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
+import ctypes
 import hashlib
 import io
 import json
@@ -65,10 +67,12 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterable
@@ -1279,7 +1283,9 @@ def build_corpus(
             report_one(build_project(spec, settings, out, say=say))
     else:
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=ctx, initializer=_end_with, initargs=(os.getpid(),)
+        ) as pool:
             futures = {pool.submit(build_project, spec, settings, out): spec for spec in todo}
             for fut in concurrent.futures.as_completed(futures):
                 spec = futures[fut]
@@ -1300,6 +1306,24 @@ def build_corpus(
         f"projects ({report['totals']['heldout_tasks']} held out) → {out / 'report.md'}"
     )
     return report
+
+
+def _end_with(parent: int) -> None:
+    """A build worker's start: it ends when the build process does. Killed, the build
+    would otherwise leave its workers building (and its sandboxes running) unseen."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    if os.getppid() != parent:  # the build ended before this worker started
+        os._exit(1)
+    signal.signal(signal.SIGTERM, _worker_ends)
+
+
+def _worker_ends(signum: int, frame: Any) -> None:
+    # SystemExit unwinds the project being built (its scratch folder is removed); the
+    # pool's worker loop then catches it and waits for more work, so a timer ends it.
+    threading.Timer(5.0, os._exit, (1,)).start()
+    raise SystemExit(1)
 
 
 def _interleave_splits(specs: list[ProjectSpec]) -> list[ProjectSpec]:

@@ -432,3 +432,61 @@ def test_a_missing_test_dependency_is_named_and_its_skip_retried(tmp_path: Path)
     # without .deps on the path, nothing is installed
     assert not corpus.install_missing("nose2", [tmp_path], corpus.TestEnv())
     assert not corpus.install_missing("no;such", [tmp_path], corpus.TestEnv(pythonpath=[".deps"]))
+
+
+WORKER_PARENT = """
+import concurrent.futures, multiprocessing, os, sys, time
+from opencomposer.training.corpus import _end_with
+
+def work(folder):
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=folder):  # a project's scratch folder
+        time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=ctx, initializer=_end_with, initargs=(os.getpid(),)
+    ) as pool:
+        pool.submit(work, sys.argv[1])
+        time.sleep(0.5)
+        print(*[p.pid for p in pool._processes.values()], flush=True)
+        time.sleep(120)
+"""
+
+
+def test_build_workers_end_with_the_build(tmp_path: Path) -> None:
+    """A killed build leaves no worker building, and no scratch folder behind."""
+    import os
+    import signal
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(WORKER_PARENT)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(scratch)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        (worker,) = map(int, parent.stdout.readline().split())  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while not any(scratch.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(scratch.iterdir())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail("the worker outlived the build")
+        assert not any(scratch.iterdir())
+    finally:
+        parent.kill()
