@@ -10,6 +10,9 @@ one table, from this one run, and writes it with a plot:
     python benchmarks/heldout.py --tasks 60 --max-turns 8 --run runs/embedded \\
         --model base=smollm2-base --model shipped=smollm2
 
+The table also counts the episodes that changed every broken line, fixed or not (the
+corpus's part-credit reward check, `corpus.touched_check`).
+
 Outputs under `--out` (default `docs/embedded/`): `heldout.json` (every model's
 `bench` report summary), `heldout.md` (the table), `heldout.png` (resolve rate with
 two standard errors, per model). Per-model bench folders (traces, per-task rows) go
@@ -91,6 +94,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "duration_s",
     )
     out = {k: report.get(k) for k in keys}
+    # the corpus's part-credit check (`corpus.touched_check`): every broken line changed
+    rows = report.get("tasks", [])
+    out["lines_changed"] = sum(bool((r.get("parts") or {}).get("check0")) for r in rows)
     projects: dict[str, list[int]] = {}
     for row in report.get("tasks", []):
         p = projects.setdefault(row.get("source", ""), [0, 0])
@@ -102,14 +108,15 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     lines = [
-        "| model | resolved | resolve rate ± SE | turns | tokens | tool calls | parallel calls / turn | edit failures |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | resolved | resolve rate ± SE | broken lines changed | turns | tokens | tool calls | parallel calls / turn | edit failures |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, s in rows:
         n = s["n_tasks"] or 1
         lines.append(
             f"| {label} (`{s['model']}`) | {s['resolved']}/{s['n_tasks']} | "
-            f"{s['resolve_rate']:.1%} ± {s['resolve_rate_se']:.1%} | {s['turns']['mean']:.2f} | "
+            f"{s['resolve_rate']:.1%} ± {s['resolve_rate_se']:.1%} | "
+            f"{s.get('lines_changed', 0)}/{s['n_tasks']} | {s['turns']['mean']:.2f} | "
             f"{s['tokens']['mean']:.0f} | {s['tool_calls']['mean']:.2f} | "
             f"{s['parallel_calls_per_turn']:.2f} | {s['edit_failures'] / n:.2f} per task |"
         )
