@@ -78,20 +78,20 @@ for _key, _value in _ENV_DEFAULTS.items():
 @contextlib.contextmanager
 def _environ(values: dict[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``values`` (None: removed) inside, as it was after."""
+
+    def put(items: dict[str, str | None]) -> None:
+        for k, v in items.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put(values)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put(saved)
 
 
 class VLLMModel:

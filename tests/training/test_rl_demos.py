@@ -54,6 +54,28 @@ def tokenizer():
     return TraceTokenizer(smollm2_path())
 
 
+def record_in_sandbox(tasks, store, tmp_path):
+    """`record_demos` through a real environment server (Ray, bubblewrap)."""
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+    from opencomposer.training.sessions import demo_session_config
+
+    async def go():
+        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
+        try:
+            await env.start()
+            return await record_demos(
+                tasks,
+                env=env,
+                store=store,
+                session_config=demo_session_config(prompt_style="compact"),
+                meta={"prompt_style": "compact"},
+            )
+        finally:
+            await env.close()
+
+    return asyncio.run(go())
+
+
 def by_kind(tasks, kind, split="train"):
     return next(t for t in tasks if t.id.startswith(kind) and t.split == split)
 
@@ -161,27 +183,9 @@ def test_prompt_style_setting():
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 def test_demos_through_the_real_session_become_assistant_only_samples(suite, tokenizer, tmp_path):
-    from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.sessions import demo_session_config
-
     tasks = [by_kind(suite, k) for k in ("find", "fix", "rename")]
     store = TraceStore(tmp_path / "demos.db")
-
-    async def go():
-        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
-        try:
-            await env.start()
-            return await record_demos(
-                tasks,
-                env=env,
-                store=store,
-                session_config=demo_session_config(prompt_style="compact"),
-                meta={"prompt_style": "compact"},
-            )
-        finally:
-            await env.close()
-
-    stats = asyncio.run(go())
+    stats = record_in_sandbox(tasks, store, tmp_path)
     assert stats.accepted == stats.recorded == 3 and not stats.failed
     traces = [store.export(s) for s in stats.session_ids]
     # a store filled in several sittings tops up to its limit and never repeats a task
@@ -410,9 +414,6 @@ CART_WORKSPACE = {
 def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
     """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
     demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
-    from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.sessions import demo_session_config
-
     repo = tmp_path / "repo"
     for name, text in CART_WORKSPACE.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
@@ -432,21 +433,7 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     plan = demo_plan(task, load_solution(task))
     (k,) = plan.untrained
     store = TraceStore(tmp_path / "demos.db")
-
-    async def go():
-        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
-        try:
-            await env.start()
-            return await record_demos(
-                [task],
-                env=env,
-                store=store,
-                session_config=demo_session_config(prompt_style="compact"),
-            )
-        finally:
-            await env.close()
-
-    stats = asyncio.run(go())
+    stats = record_in_sandbox([task], store, tmp_path)
     assert stats.accepted == stats.recorded == 1, stats.failed
     (sid,) = stats.session_ids
     tr = store.export(sid)
