@@ -22,13 +22,17 @@ DEFAULT_CONTEXT_WINDOW = 8192
 # best with "passive" (see `llamacpp`), vLLM-CPU's worker with libgomp's default (see
 # `vllm.VLLMModel.engine_env`); a policy the user set is left to both.
 _WAIT_POLICY = "OMP_WAIT_POLICY"
+# Set in vLLM's engine processes: the modules they re-import (multiprocessing's spawn
+# imports the parent's __main__ again) must not make their workers wait passively.
+DEFAULT_WAIT = "OPENCOMPOSER_OMP_DEFAULT_WAIT"
 _own_wait_policy = False
 
 
 def passive_omp_wait() -> None:
-    """Set ``OMP_WAIT_POLICY=passive`` for this process unless the user set a policy."""
+    """Set ``OMP_WAIT_POLICY=passive`` for this process unless the user set a policy
+    (or this is one of vLLM's engine processes, `DEFAULT_WAIT`)."""
     global _own_wait_policy
-    if _WAIT_POLICY not in os.environ:
+    if _WAIT_POLICY not in os.environ and DEFAULT_WAIT not in os.environ:
         os.environ[_WAIT_POLICY] = "passive"
         _own_wait_policy = True
 

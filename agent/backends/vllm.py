@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from opencomposer.agent.backends._local import (
+    DEFAULT_WAIT,
     ChatTokenizer,
     check_fits,
     own_omp_wait_policy,
@@ -167,7 +168,9 @@ class VLLMModel:
           the model a single OpenMP thread. 8 sampled streams measured 72-82 tokens/s
           with the reservation, 98-105 without (2-core AMD EPYC, load 1.6-2.1);
         - ``OMP_WAIT_POLICY`` unset where only `llamacpp`'s import set it (passive):
-          the worker's two threads then ran at 74-91 tokens/s instead.
+          the worker's two threads then ran at 74-91 tokens/s instead; and
+          ``OPENCOMPOSER_OMP_DEFAULT_WAIT`` set, so that the engine's processes do not
+          set it again when they re-import the parent's modules.
 
         A value the user set is kept."""
         from vllm.platforms import current_platform
@@ -179,6 +182,8 @@ class VLLMModel:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         if own_omp_wait_policy():
             env["OMP_WAIT_POLICY"] = None
+        if "OMP_WAIT_POLICY" not in os.environ or own_omp_wait_policy():
+            env[DEFAULT_WAIT] = "1"
         return env
 
     def _build_engine(self) -> Any:

@@ -22,8 +22,12 @@ pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="vLLM's CP
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv(_local.DEFAULT_WAIT, raising=False)
     monkeypatch.setattr(_local, "_own_wait_policy", False)
     return monkeypatch
+
+
+MARK = {_local.DEFAULT_WAIT: "1"}
 
 
 def cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
@@ -34,15 +38,15 @@ def test_two_cores_keep_none_back_and_more_cores_keep_vllms_default(
     tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
     cores(clean_env, 2)
-    assert VLLMModel(tmp_path).engine_env() == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert VLLMModel(tmp_path).engine_env() == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **MARK}
     cores(clean_env, 16)
-    assert VLLMModel(tmp_path).engine_env() == {}
+    assert VLLMModel(tmp_path).engine_env() == MARK
 
 
 def test_a_reservation_the_user_set_is_kept(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
     cores(clean_env, 2)
     clean_env.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    assert VLLMModel(tmp_path).engine_env() == {}
+    assert VLLMModel(tmp_path).engine_env() == MARK
 
 
 def test_only_our_own_passive_wait_policy_is_lifted(
@@ -52,10 +56,15 @@ def test_only_our_own_passive_wait_policy_is_lifted(
     _local.passive_omp_wait()  # what importing the llama.cpp backend does
     assert os.environ["OMP_WAIT_POLICY"] == "passive"
     env = VLLMModel(tmp_path).engine_env()
-    assert env == {"OMP_WAIT_POLICY": None}
+    assert env == {"OMP_WAIT_POLICY": None, **MARK}
     with _environ(env):
         assert "OMP_WAIT_POLICY" not in os.environ
-    assert os.environ["OMP_WAIT_POLICY"] == "passive"  # restored after the engine starts
+        # the engine's processes re-import our modules: they do not set it again
+        clean_env.setattr(_local, "_own_wait_policy", False)
+        _local.passive_omp_wait()
+        assert "OMP_WAIT_POLICY" not in os.environ
+    assert _local.DEFAULT_WAIT not in os.environ  # restored after the engine starts
+    clean_env.setenv("OMP_WAIT_POLICY", "passive")
 
     clean_env.setattr(_local, "_own_wait_policy", False)
     clean_env.setenv("OMP_WAIT_POLICY", "passive")  # the user's choice
