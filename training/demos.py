@@ -54,7 +54,7 @@ from opencomposer.tools.specs import (
     RUN_TERMINAL,
     render_call,
 )
-from opencomposer.training.sessions import demo_session_config
+from opencomposer.training.sessions import DEMO_MAX_TURNS, demo_session_config
 
 SOLUTION = "solution.json"
 
@@ -366,7 +366,6 @@ def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> st
 # another look at the code, never to an answer that claims success. The wrong edit's
 # turn is played (the session must show its failure) but not trained on.
 RECOVERY_SHARE = 0.3
-DEMO_MAX_TURNS = 8  # the turn budget of demonstrations, rollouts and the held-out bench
 
 
 def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
@@ -399,11 +398,6 @@ def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
         return None
     rng = random.Random(hashlib.sha1(f"{task.id}|wrong".encode()).hexdigest())
     return rng.choice(sorted(options))
-
-
-def expert_turns(task: Any, solution: dict[str, Any]) -> list[str]:
-    """The turns of `expert_plan` without a wrong first attempt."""
-    return expert_plan(task, solution, recovery=False).turns
 
 
 def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = None) -> Plan:

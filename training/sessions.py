@@ -50,7 +50,10 @@ def session_config(
     )
 
 
-def demo_session_config(*, prompt_style: str, max_turns: int = 8) -> SessionConfig:
+DEMO_MAX_TURNS = 8  # a demonstration's turn budget, the one rollouts and the held-out bench use
+
+
+def demo_session_config(*, prompt_style: str, max_turns: int = DEMO_MAX_TURNS) -> SessionConfig:
     """The session settings of a demonstration: the sampler's prompt style, every
     call approved (as in rollouts), enough turns for look + edit + answer."""
     return SessionConfig(
