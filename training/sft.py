@@ -24,6 +24,8 @@ model whose first rewards are too rare for GRPO groups to carry signal.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +286,7 @@ def load_init(run: Any) -> None:
     if not (init / "config.json").is_file():
         raise ConfigError(f"[sft] init: {init} is not a checkpoint folder")
     run.trainer.load(init)
+    run.trainer.init_from = str(init)
 
 
 async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
@@ -299,6 +302,8 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
     cfg = run.config.sft
     out = run.out
     out.mkdir(parents=True, exist_ok=True)
+    if dataclasses.is_dataclass(run.config):  # what trained the checkpoints (a card reads it)
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(run.config), indent=2))
     log = MetricsLog(out / "metrics.jsonl")
     t0 = time.perf_counter()
     reward_mean = None

@@ -21,9 +21,11 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from opencomposer.agent.backends._local import read_model_settings
 from opencomposer.training.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -87,6 +89,57 @@ def _phases(run: Path) -> dict[str, Any]:
     }
 
 
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _config(path: Path) -> dict[str, str]:
+    return {"path": _rel(path), "sha256": _sha(path), "text": path.read_text()}
+
+
+def _checkpoint(path: str | Path) -> Path:
+    """A checkpoint named in a run's config: relative to where training ran (the
+    repository root, as `make embedded` runs it) or to the current folder."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else ROOT / p
+
+
+def lineage(src: Path, earlier: Sequence[tuple[Path, Path | None]] = ()) -> list[dict[str, Any]]:
+    """Every stage that trained checkpoint ``src``, oldest first: its run, checkpoint,
+    phases, wall time and config (the run's ``config.json``, or the one given).
+
+    The chain follows the ``init`` each checkpoint's ``opencomposer.json`` records (the
+    trainer writes it); where a checkpoint records none, the next of ``earlier``
+    (``(checkpoint, config)`` pairs, oldest first) is the one it started from."""
+    rest = list(earlier)
+    stages: list[dict[str, Any]] = []
+    ckpt: Path | None = src
+    config: Path | None = None
+    seen: set[Path] = set()
+    while ckpt is not None and ckpt.resolve() not in seen:
+        seen.add(ckpt.resolve())
+        if not ckpt.is_dir():
+            stages.append({"checkpoint": _rel(ckpt), "missing": True})
+            break
+        run = ckpt.parent.parent  # <out>/checkpoints/step_N
+        stage: dict[str, Any] = {"run": _rel(run), "checkpoint": ckpt.name, **_phases(run)}
+        config = config or (run / "config.json" if (run / "config.json").is_file() else None)
+        if config is not None:
+            stage["config"] = _config(config)
+        stages.append(stage)
+        init = read_model_settings(ckpt).get("init")
+        if init:
+            ckpt, config = _checkpoint(init), None
+        elif rest:
+            ckpt, config = rest.pop()
+        else:
+            ckpt = None
+    return stages[::-1]
+
+
 def _corpus(corpus: Path | None) -> dict[str, Any] | None:
     """The corpus build's totals and its projects by split (its ``report.json``)."""
     path = (corpus or Path()) / "report.json"
@@ -127,12 +180,19 @@ def ship(
     checkpoint: str | None = None,
     heldout: Path | None = None,
     manifest: Path = ROOT / "configs" / "corpus.toml",
-    config: Path = ROOT / "configs" / "embedded.toml",
+    config: Path | None = None,
     dest: Path = SHIPPED,
     corpus: Path | None = None,
+    earlier: Sequence[tuple[Path, Path | None]] = (),
 ) -> dict[str, Any]:
-    """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it."""
+    """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it.
+    ``config``: the run's config (default: the run's ``config.json``, else
+    ``configs/embedded.toml``); ``earlier``: see `lineage`."""
     src = run / "checkpoints" / checkpoint if checkpoint else _newest(run)
+    if config is None:
+        config = run / "config.json"
+        if not config.is_file():
+            config = ROOT / "configs" / "embedded.toml"
     adapter = checkpoint_adapter(src)
     try:
         meta, _ = read_adapter(adapter)
@@ -158,17 +218,22 @@ def ship(
             "base_fingerprint": meta.get("base_fingerprint"),
         },
         "checkpoint": src.name,
-        "corpus_manifest": {"path": str(manifest.relative_to(ROOT)), "sha256": _sha(manifest)},
-        "config": {
-            "path": str(config.relative_to(ROOT)),
-            "sha256": _sha(config),
-            "text": config.read_text(),
-        },
+        "corpus_manifest": {"path": _rel(manifest), "sha256": _sha(manifest)},
+        "config": _config(config),
         **_phases(run),
         "demonstrations": _demonstrations(run),
         "corpus": _corpus(corpus),
         "shipped": time.strftime("%Y-%m-%d", time.gmtime()),
         "retrain": "make embedded",
+    }
+    stages = lineage(src, earlier)
+    stages[-1]["config"] = card["config"]  # the shipped run's own, as given
+    card["stages"] = stages
+    card["total"] = {
+        "steps": sum(p["steps"] for st in stages for p in st.get("phases", {}).values()),
+        "seconds": round(
+            sum(p["seconds"] for st in stages for p in st.get("phases", {}).values()), 1
+        ),
     }
     if heldout and heldout.is_file():
         card["heldout"] = json.loads(heldout.read_text())
@@ -180,6 +245,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--checkpoint", default=None, help="step_N (default: the newest)")
+    ap.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="the run's config (default: its config.json, else configs/embedded.toml)",
+    )
+    ap.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="CHECKPOINT[=CONFIG]",
+        help="an earlier stage's checkpoint, oldest first, where a checkpoint does not "
+        "record the one it started from (checkpoints saved before they did)",
+    )
     ap.add_argument("--heldout", type=Path, default=ROOT / "docs" / "embedded" / "heldout.json")
     ap.add_argument(
         "--corpus",
@@ -191,8 +270,16 @@ def main() -> int:
     from opencomposer.training.corpus import default_corpus
 
     try:
+        earlier = [
+            (Path(c), Path(f) if f else None) for c, _, f in (x.partition("=") for x in a.after)
+        ]
         card = ship(
-            a.run, checkpoint=a.checkpoint, heldout=a.heldout, corpus=a.corpus or default_corpus()
+            a.run,
+            checkpoint=a.checkpoint,
+            heldout=a.heldout,
+            corpus=a.corpus or default_corpus(),
+            config=a.config,
+            earlier=earlier,
         )
     except ShipError as e:
         print(f"error: {e}", file=sys.stderr)

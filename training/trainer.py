@@ -135,6 +135,9 @@ class Trainer:
         # the system-prompt style the policy is trained with; saved checkpoints say it
         # (opencomposer.json) so the agent prompts a trained folder the same way
         self.prompt_style: str | None = None
+        # the checkpoint this run started from (`[sft] init`); saved checkpoints record
+        # it, so a shipped policy's card can list every stage that trained it
+        self.init_from: str | None = None
 
     @classmethod
     def from_pretrained(
@@ -423,10 +426,11 @@ class Trainer:
             for f in self.source_dir.iterdir():
                 if f.is_file() and (f.name.startswith(TOKENIZER_FILES) or f.suffix == ".jinja"):
                     shutil.copyfile(f, folder / f.name)
-        if self.prompt_style is not None:
-            from opencomposer.agent.backends._local import write_prompt_style
+        settings = {"prompt_style": self.prompt_style, "init": self.init_from}
+        if any(v is not None for v in settings.values()):
+            from opencomposer.agent.backends._local import write_model_settings
 
-            write_prompt_style(folder, self.prompt_style)
+            write_model_settings(folder, {k: v for k, v in settings.items() if v is not None})
         state = {
             "optimizer": optimizer_state
             if optimizer_state is not None
@@ -446,6 +450,7 @@ class Trainer:
     def load(self, folder: Path) -> dict[str, Any]:
         """Restore weights, optimizer, step and version from ``folder``; returns ``extra``.
         A LoRA run restores its adapters (the frozen base is the model it started from)."""
+        from opencomposer.agent.backends._local import read_model_settings
         from opencomposer.training.lora import (
             checkpoint_adapter,
             is_lora,
@@ -453,6 +458,7 @@ class Trainer:
             read_adapter,
         )
 
+        self.init_from = read_model_settings(folder).get("init") or self.init_from
         if is_lora(self.model):
             load_adapter_state(self.model, read_adapter(checkpoint_adapter(folder))[1])
         elif (folder / "model.pt").exists():

@@ -52,23 +52,33 @@ def read_context_window(path: str | Path) -> int:
     return int(value) if value else DEFAULT_CONTEXT_WINDOW
 
 
-MODEL_SETTINGS = "opencomposer.json"  # {"prompt_style": "compact"} in a model folder
+MODEL_SETTINGS = "opencomposer.json"  # {"prompt_style": "compact", ...} in a model folder
 
 
-def read_prompt_style(path: str | Path) -> str:
-    """The system-prompt style a model folder asks for (`opencomposer.json`, written
-    by the trainer beside the weights it saves); "full" when it says nothing."""
+def read_model_settings(path: str | Path) -> dict[str, Any]:
+    """What a model folder's `opencomposer.json` (written by the trainer beside the
+    weights it saves) records; empty when it has none or cannot be read."""
     try:
         settings = json.loads((Path(path) / MODEL_SETTINGS).read_text())
     except (OSError, ValueError):
-        return "full"
-    style = settings.get("prompt_style") if isinstance(settings, dict) else None
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def write_model_settings(path: str | Path, settings: dict[str, Any]) -> None:
+    """Record `settings` in a model folder (its whole `opencomposer.json`)."""
+    (Path(path) / MODEL_SETTINGS).write_text(json.dumps(settings) + "\n")
+
+
+def read_prompt_style(path: str | Path) -> str:
+    """The system-prompt style a model folder asks for; "full" when it says nothing."""
+    style = read_model_settings(path).get("prompt_style")
     return style if style in ("full", "compact") else "full"
 
 
 def write_prompt_style(path: str | Path, style: str) -> None:
     """Record in a model folder the prompt style it was trained with."""
-    (Path(path) / MODEL_SETTINGS).write_text(json.dumps({"prompt_style": style}) + "\n")
+    write_model_settings(path, {"prompt_style": style})
 
 
 class ChatTokenizer:

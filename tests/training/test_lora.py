@@ -3,6 +3,8 @@ adapter file round-trips, and a checkpoint resumes exactly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from opencomposer.training.lora import (
@@ -159,6 +161,56 @@ def test_ship_copies_the_adapter_and_writes_the_card(tmp_path):
     assert (tmp_path / "shipped" / "adapter.safetensors").is_file()
     with pytest.raises(ShipError, match="no checkpoint with a LoRA adapter"):
         ship(tmp_path / "empty", dest=tmp_path / "x")
+
+
+def test_the_card_lists_every_stage_that_trained_the_shipped_checkpoint(tmp_path):
+    """Checkpoints record the one their run started from (`[sft] init`); the card
+    follows that chain, and `earlier` where a checkpoint predates the record."""
+    import json
+    from types import SimpleNamespace
+
+    from opencomposer.training.sft import load_init
+    from opencomposer.training.ship import ship
+
+    def stage(name: str, step: int, init: Path | None = None, record: bool = True) -> Path:
+        tr = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+        if init is not None:
+            cfg = SimpleNamespace(sft=SimpleNamespace(init=str(init)))
+            load_init(SimpleNamespace(config=cfg, trainer=tr))
+        tr.sft_step(_samples())
+        if not record:
+            tr.init_from = None
+        run = tmp_path / name
+        (run / "metrics.jsonl").parent.mkdir(parents=True)
+        rows = [
+            {"step": i + 1, "phase": "sft", "time": 10.0 * i, "train_s": 2.0} for i in range(step)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "config.json").write_text(json.dumps({"name": name}))
+        return tr.save(run / "checkpoints" / f"step_{step}")
+
+    old = stage("old", 3)
+    first = stage("first", 2, init=old, record=False)  # saved before checkpoints said
+    last = stage("last", 4, init=first)
+    resumed = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+    resumed.load(last)
+    assert resumed.init_from == str(first)  # a resumed run keeps saying where it started
+
+    conf = tmp_path / "old.toml"
+    conf.write_text("[sft]\nlr = 1\n")
+    card = ship(tmp_path / "last", dest=tmp_path / "shipped", earlier=[(old, conf)])
+    assert [(s["run"], s["checkpoint"]) for s in card["stages"]] == [
+        (str(tmp_path / "old"), "step_3"),
+        (str(tmp_path / "first"), "step_2"),
+        (str(tmp_path / "last"), "step_4"),
+    ]
+    assert card["stages"][0]["config"]["text"] == "[sft]\nlr = 1\n"
+    assert json.loads(card["stages"][1]["config"]["text"]) == {"name": "first"}
+    assert card["stages"][2]["config"] == card["config"]
+    assert card["stages"][1]["phases"] == {"sft": {"steps": 2, "seconds": 4.0}}
+    assert card["total"] == {"steps": 9, "seconds": 18.0}
+    # without `earlier`, the chain ends where the record does
+    assert len(ship(tmp_path / "last", dest=tmp_path / "s2")["stages"]) == 2
 
 
 def test_sft_init_continues_from_a_checkpoint(tmp_path, monkeypatch):
