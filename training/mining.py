@@ -175,7 +175,7 @@ class Mutation:
             self.pending = None
             text = _confirm(source, tree, node, new, self.start, self.end, self.new, fn)  # type: ignore[arg-type]
             self.valid = text is not None
-            self.new = text or self.new
+            self.new = restyle(source, self.start, self.end, text) if text else self.new
         return self.valid
 
 
@@ -652,6 +652,111 @@ def _confirm_in_function(
         except (SyntaxError, ValueError):
             continue
     return None
+
+
+# ---------------------------------------------------------------- the bug as written
+
+# `ast.unparse` writes the mutated node in its own style: `'*'` for a source's `"*"`,
+# `a * b` for `a*b`, one line for a call spread over several. A policy could learn to
+# spot the broken line by its style, which real bugs never show, so the parts of the
+# node a mutation keeps are copied from the source as it wrote them (`restyle`).
+try:
+    _Unparser: type | None = ast._Unparser  # type: ignore[attr-defined]
+except AttributeError:  # not in every Python: then the text stays unparse's
+    _Unparser = None
+
+
+if _Unparser is not None:
+
+    class _Restyler(_Unparser):  # type: ignore[misc, valid-type]
+        """`ast.unparse` that writes a node found in `keep` (by identity) as that text,
+        parenthesised where the unparser would parenthesise the node there."""
+
+        def __init__(
+            self, keep: dict[int, str] | None = None, quote: str = "'", **kw: object
+        ) -> None:
+            super().__init__(**kw)  # an f-string's parts: a nested one, no `keep`
+            self._keep = keep or {}
+            self._quote = quote  # for a new string: the quotes the source uses
+
+        def _write_constant(self, value: object) -> None:
+            text = repr(value)
+            if (
+                isinstance(value, str)
+                and self._quote == '"'
+                and text[0] == "'"
+                and '"' not in value
+            ):
+                self.write(f'"{text[1:-1]}"')
+            else:
+                super()._write_constant(value)
+
+        def traverse(self, node: object) -> None:
+            text = None if isinstance(node, list) else self._keep.get(id(node))
+            if text is None:
+                super().traverse(node)
+                return
+            mark, keep, self._keep = len(self._source), self._keep, {}
+            super().traverse(node)  # only to learn whether the place needs parentheses
+            made = "".join(self._source[mark:])
+            del self._source[mark:]
+            self._keep = keep
+            wrap = made.startswith("(") and made == f"({ast.unparse(node)})"  # type: ignore[arg-type]
+            self.write(f"({text})" if wrap else text)
+
+
+def _node_at(tree: ast.AST, offsets: list[int], start: int, end: int, kind: type) -> ast.AST | None:
+    for node in ast.walk(tree):
+        if isinstance(node, kind) and getattr(node, "end_lineno", None) is not None:
+            a = offsets[node.lineno - 1] + node.col_offset  # type: ignore[attr-defined]
+            b = offsets[node.end_lineno - 1] + node.end_col_offset  # type: ignore[attr-defined]
+            if (a, b) == (start, end):
+                return node
+    return None
+
+
+def restyle(source: bytes, start: int, end: int, new: str) -> str:
+    """``new`` (the text replacing ``source[start:end]``, as `ast.unparse` wrote it)
+    with every subexpression it shares with the replaced node written as the source
+    writes it. Returns ``new`` itself unless the result parses to the same module."""
+    if _Unparser is None:
+        return new
+    try:
+        tree = ast.parse(source)
+        offsets = _offsets(source)
+        mutated = ast.dump(ast.parse(source[:start] + new.encode() + source[end:]))
+    except (SyntaxError, ValueError):
+        return new
+    for kind, mode in ((ast.expr, "eval"), (ast.stmt, "exec")):
+        old = _node_at(tree, offsets, start, end, kind)
+        if old is None:
+            continue
+        try:
+            parsed = ast.parse(new, mode=mode)
+        except SyntaxError:
+            continue
+        body = parsed.body
+        if isinstance(body, list):
+            if len(body) != 1:
+                continue
+            body = body[0]
+        written: dict[str, str] = {}  # a subtree's dump -> the source's text of it
+        for n in ast.walk(old):
+            if isinstance(n, ast.expr | ast.keyword) and getattr(n, "end_lineno", None):
+                a = offsets[n.lineno - 1] + n.col_offset
+                b = offsets[n.end_lineno - 1] + n.end_col_offset  # type: ignore[operator]
+                written.setdefault(ast.dump(n), source[a:b].decode("utf-8", errors="replace"))
+        keep = {id(n): written[d] for n in ast.walk(body) if (d := ast.dump(n)) in written}
+        written_old = source[start:end]
+        counted = written_old if b'"' in written_old or b"'" in written_old else source
+        quote = '"' if counted.count(b'"') > counted.count(b"'") else "'"
+        try:
+            text = _Restyler(keep, quote).visit(body)
+            same = ast.dump(ast.parse(source[:start] + text.encode() + source[end:])) == mutated
+        except Exception:  # the unparser's private API: any surprise keeps `new`
+            return new
+        return text if same else new
+    return new
 
 
 # ---------------------------------------------------------------- mining

@@ -138,6 +138,16 @@ def _fix(ws: Path, edits: list[dict]) -> None:
         p.write_text(text.replace(e["old"], e["new"], 1))
 
 
+def _expression(text: str) -> bool:
+    import ast
+
+    try:
+        ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    return True
+
+
 @needs_bwrap
 def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     repo, commit = _project(tmp_path)
@@ -278,6 +288,26 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     corpus.build_corpus(manifest, out, say=said.append)
     assert (out / "projects" / "tinylib" / "project.json").stat().st_mtime_ns == stamp
     assert "1 of 1 projects already built" in said[0]
+
+    # A project built by builder version 2 (unparse's style) is restyled in place, not
+    # rebuilt: its snapshot stays, its broken nodes are written as the source writes them.
+    pdir = out / "projects" / "tinylib"
+    rows = [json.loads(line) for line in (pdir / "tasks.jsonl").open()]
+    edit = next(e for r in rows for e in r["edits"] if _expression(e["new"]))
+    written, edit["new"] = edit["new"], f"({edit['new']})"
+    (pdir / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = json.loads((pdir / "project.json").read_text())
+    old_key = manifest.projects[0].key(manifest.settings, version=corpus.RESTYLED_FROM)
+    (pdir / "project.json").write_text(json.dumps({**rec, "key": old_key, "builder_version": 2}))
+    snapshot = (pdir / "snapshot.tar").stat().st_mtime_ns
+    said.clear()
+    corpus.build_corpus(manifest, out, say=said.append)
+    assert "tinylib: 1 broken nodes restyled" in said and "1 of 1 projects already built" in said[1]
+    assert (pdir / "snapshot.tar").stat().st_mtime_ns == snapshot
+    again = [json.loads(line) for line in (pdir / "tasks.jsonl").open()]
+    assert written in [e["new"] for r in again for e in r["edits"]]
+    restyled = json.loads((pdir / "project.json").read_text())
+    assert restyled["key"] == rec["key"] and restyled["builder_version"] == corpus.BUILDER_VERSION
 
 
 @needs_bwrap

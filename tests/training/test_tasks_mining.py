@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from opencomposer.training.mining import MineConfig, find_mutations, mine, prepare_own
+from opencomposer.training.mining import MineConfig, find_mutations, mine, prepare_own, restyle
 from opencomposer.training.tasks import TaskError, load_task, safe_extract
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
@@ -129,6 +129,55 @@ def test_every_bug_kind_is_produced_and_parses(tmp_path: Path) -> None:
     negated = {m.new for m in muts if m.kind == "negated condition"}
     assert "not total > 100" in negated and any("not (" in n or "not xs" in n for n in negated)
     assert {m.new for m in muts if m.kind == "dropped factor"} == {"xs[i]"}
+
+
+STYLED = b"""def f(a, b, c):
+    if key[0] == "*" and a*b > 1:
+        return call(a,
+                    b)
+    y = (a+b) * c
+    return f"{a!r:>3}" + "x"
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "unparsed", "written"),
+    [
+        ('key[0] == "*"', "key[0] != '*'", 'key[0] != "*"'),  # the source's quotes
+        ("a*b > 1", "a * b >= 1", "a*b >= 1"),  # its spacing
+        ('key[0] == "*" and a*b > 1', "key[0] == '*' or a * b > 1", 'key[0] == "*" or a*b > 1'),
+        ("(a+b) * c", "c * (a + b)", "c * (a+b)"),  # parenthesised where the place needs it
+        ("(a+b) * c", "a + b", "a+b"),
+        ('f"{a!r:>3}" + "x"', "f'{a!r:>3}' - 'x'", 'f"{a!r:>3}" - "x"'),
+        ('f"{a!r:>3}" + "x"', "'y'", '"y"'),  # a new string in the quotes around it
+        ("call(a,\n                    b)", "call(b, a)", "call(b, a)"),
+        ("return call(a,\n                    b)", "return None", "return None"),
+    ],
+)
+def test_the_broken_node_is_written_as_the_source_writes_it(
+    old: str, unparsed: str, written: str
+) -> None:
+    """`ast.unparse`'s own style would tell a policy which line is broken."""
+    import ast
+
+    start = STYLED.index(old.encode())
+    end = start + len(old.encode())
+    assert restyle(STYLED, start, end, unparsed) == written
+    as_parsed = ast.dump(ast.parse(STYLED[:start] + unparsed.encode() + STYLED[end:]))
+    assert ast.dump(ast.parse(STYLED[:start] + written.encode() + STYLED[end:])) == as_parsed
+
+
+def test_restyle_keeps_a_text_it_cannot_better() -> None:
+    start = STYLED.index(b"a*b > 1")
+    assert restyle(STYLED, start, start + 7, "a * b >=") == "a * b >="  # does not parse
+    assert restyle(STYLED, start, start + 3, "a + b") == "a + b"  # no node spans it
+
+
+def test_mined_bugs_keep_the_source_style(tmp_path: Path) -> None:
+    (tmp_path / "q.py").write_text('def q(s):\n    return s == "*" and len(s)*2 > 1\n')
+    muts = [m for m in find_mutations(tmp_path, "q.py", {1: ["t"]}, check=False) if m.checked()]
+    assert muts and all("'" not in m.new for m in muts)
+    assert any(m.new == 's == "*" or len(s)*2 > 1' for m in muts), [m.new for m in muts]
 
 
 def _run(cmd: str, cwd: Path) -> int:
