@@ -59,12 +59,17 @@ POLICIES: tuple[str, ...] = ("none", "safe", "all")
 _EVENT_OUTPUT_LIMIT = 4_000  # characters of a tool result that live views get in tool_end
 
 
+DEFAULT_MAX_TURNS = 25
+
+
 @dataclass(frozen=True, kw_only=True)
 class SessionConfig:
     approve: Policy = (
         "safe"  # which calls run without asking: none, safe (read-only + allowlist), all
     )
-    max_turns: int = 25
+    # None: the model's own budget (`max_turns` of a trained policy's folder, the turns it
+    # was trained to finish in), else DEFAULT_MAX_TURNS
+    max_turns: int | None = None
     max_completion_tokens: int = 64_000
     sampling: Sampling = field(default_factory=Sampling)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -188,6 +193,10 @@ class Session:
         self.model = model
         self.workspace = workspace
         self.config = config or SessionConfig()
+        budget = getattr(model, "max_turns", None)
+        self.max_turns = self.config.max_turns or (
+            budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_TURNS
+        )
         self.approver = approver
         self.traces = traces
         self.id = session_id or uuid.uuid4().hex[:12]
@@ -306,7 +315,7 @@ class Session:
     # -- the loop ---------------------------------------------------------------
 
     async def _loop(self) -> str:
-        for _ in range(self.config.max_turns):
+        for _ in range(self.max_turns):
             self.turn_count += 1
             record = await self._turn(self.turn_count)
             if record.output.finish_reason == "repetition":  # stopped by the stream's guard
@@ -327,7 +336,7 @@ class Session:
                     "max_tokens",
                     f"completion token budget of {self.config.max_completion_tokens} spent",
                 )
-        raise _End("max_turns", f"no answer within {self.config.max_turns} turns")
+        raise _End("max_turns", f"no answer within {self.max_turns} turns")
 
     async def _turn(self, turn: int) -> TurnRecord:
         sampling = self._fit_context()

@@ -150,7 +150,7 @@ def ask(
     model: str,
     as_json: bool,
     approve: Policy,
-    max_turns: int = 25,
+    max_turns: int | None = None,
     sandbox: SandboxMode = "workspace-write",
     use_server: bool = True,
 ) -> int:
@@ -168,7 +168,7 @@ def ask(
         raise ValueError("the request is empty")
     view: JsonView | HumanView = JsonView() if as_json else HumanView()
     interactive = not as_json and sys.stdin.isatty()
-    if use_server and max_turns == 25 and sandbox == "workspace-write":
+    if use_server and max_turns is None and sandbox == "workspace-write":
         server = warm_server(model)
         if server is not None:
             remote = RemoteAsk(server, root, model, view, approve=approve, interactive=interactive)

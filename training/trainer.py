@@ -138,6 +138,7 @@ class Trainer:
         # the checkpoint this run started from (`[sft] init`); saved checkpoints record
         # it, so a shipped policy's card can list every stage that trained it
         self.init_from: str | None = None
+        self.max_turns: int | None = None  # the episodes' turn budget: the agent's default
 
     @classmethod
     def from_pretrained(
@@ -426,7 +427,11 @@ class Trainer:
             for f in self.source_dir.iterdir():
                 if f.is_file() and (f.name.startswith(TOKENIZER_FILES) or f.suffix == ".jinja"):
                     shutil.copyfile(f, folder / f.name)
-        settings = {"prompt_style": self.prompt_style, "init": self.init_from}
+        settings = {
+            "prompt_style": self.prompt_style,
+            "max_turns": self.max_turns,
+            "init": self.init_from,
+        }
         if any(v is not None for v in settings.values()):
             from opencomposer.agent.backends._local import write_model_settings
 

@@ -76,6 +76,13 @@ def read_prompt_style(path: str | Path) -> str:
     return style if style in ("full", "compact") else "full"
 
 
+def read_turn_budget(path: str | Path) -> int | None:
+    """The turns a model folder's policy was trained to finish in (`max_turns`), which a
+    session that sets none uses; None when the folder says nothing usable."""
+    turns = read_model_settings(path).get("max_turns")
+    return turns if isinstance(turns, int) and not isinstance(turns, bool) and turns > 0 else None
+
+
 def write_prompt_style(path: str | Path, style: str) -> None:
     """Record in a model folder the prompt style it was trained with."""
     write_model_settings(path, {"prompt_style": style})

@@ -31,6 +31,7 @@ from opencomposer.agent.backends._local import (
     check_fits,
     read_context_window,
     read_prompt_style,
+    read_turn_budget,
 )
 from opencomposer.agent.backends._stream import Emit, TaskStream
 from opencomposer.agent.protocols import Message, Sampling, TurnOutput
@@ -51,6 +52,7 @@ class HFModel:
     ) -> None:
         self.path = str(path)
         self.prompt_style = prompt_style or read_prompt_style(path)
+        self.max_turns = read_turn_budget(path)  # a session without its own budget uses it
         self.name = name or f"hf:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype

@@ -51,6 +51,7 @@ from opencomposer.agent.backends._local import (
     passive_omp_wait,
     read_context_window,
     read_prompt_style,
+    read_turn_budget,
 )
 from opencomposer.agent.backends._stream import Emit, TaskStream
 from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutput
@@ -83,6 +84,7 @@ class LlamaCppModel:
         self.path = str(path)
         self.name = name or f"llamacpp:{path}"
         self.prompt_style = prompt_style or read_prompt_style(path)
+        self.max_turns = read_turn_budget(path)  # a session without its own budget uses it
         self.context_window = context_window or read_context_window(path)
         self.qtype = qtype
         self.threads = threads or len(os.sched_getaffinity(0))

@@ -40,6 +40,9 @@ CONTEXT_WINDOW = 8192
 # The trained policy's LoRA adapter (training/ship.py puts it here); `smollm2` folds it in.
 ADAPTER_DIR = Path(__file__).parent / "smollm2_adapter"
 ADAPTER_FILE = "adapter.safetensors"
+# Beside it, the policy's model settings (`opencomposer.json`: its prompt style and the
+# turn budget it was trained with), copied into the merged folder.
+ADAPTER_SETTINGS = "opencomposer.json"
 # Bump when the conversion changes, so stale cached folders are rebuilt.
 FORMAT_VERSION = 1
 _MARKER = "opencomposer-conversion.json"
@@ -73,8 +76,12 @@ def smollm2_path(*, base: bool = False) -> Path:
     folder = _build(cache_root() / FOLDER_NAME, lambda tmp: _convert(gguf_path(), tmp))
     if base or not (ADAPTER_DIR / ADAPTER_FILE).is_file():
         return folder
-    digest = hashlib.sha256((ADAPTER_DIR / ADAPTER_FILE).read_bytes()).hexdigest()[:12]
-    return _build(cache_root() / f"{FOLDER_NAME}-trained-{digest}", lambda tmp: _merge(folder, tmp))
+    shipped = (ADAPTER_DIR / name for name in (ADAPTER_FILE, ADAPTER_SETTINGS))
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in shipped if f.is_file()))
+    digest_hex = digest.hexdigest()[:12]
+    return _build(
+        cache_root() / f"{FOLDER_NAME}-trained-{digest_hex}", lambda tmp: _merge(folder, tmp)
+    )
 
 
 def shipped_adapter() -> Path | None:
@@ -116,6 +123,8 @@ def _merge(base: Path, out: Path) -> None:
     state: dict = {}
     for f in weights:
         state.update(load_file(str(f)))
+    if (ADAPTER_DIR / ADAPTER_SETTINGS).is_file():
+        shutil.copyfile(ADAPTER_DIR / ADAPTER_SETTINGS, out / ADAPTER_SETTINGS)
     merged = merge_adapter(state, ADAPTER_DIR)
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / _MARKER).write_text(

@@ -60,6 +60,7 @@ from opencomposer.agent.backends._local import (
     own_omp_wait_policy,
     read_context_window,
     read_prompt_style,
+    read_turn_budget,
 )
 from opencomposer.agent.backends._stream import Emit, TaskStream
 from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutput
@@ -111,6 +112,7 @@ class VLLMModel:
     ) -> None:
         self.path = str(path)
         self.prompt_style = prompt_style or read_prompt_style(path)
+        self.max_turns = read_turn_budget(path)  # a session without its own budget uses it
         self.name = name or f"vllm:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype

@@ -67,3 +67,14 @@ async def test_session_uses_the_style(repo, config_style, model_style, expected)
     result = await session.run("say done")
     assert result.status == "completed"
     assert result.turns[0].messages[0].content == system_prompt(style=expected)
+
+
+def test_a_model_folder_gives_its_turn_budget(tmp_path):
+    from opencomposer.agent.backends._local import read_turn_budget, write_model_settings
+
+    assert read_turn_budget(tmp_path) is None
+    for bad in (0, -3, True, "8", 2.5):
+        write_model_settings(tmp_path, {"max_turns": bad})
+        assert read_turn_budget(tmp_path) is None, bad
+    write_model_settings(tmp_path, {"prompt_style": "compact", "max_turns": 8})
+    assert read_turn_budget(tmp_path) == 8 and read_prompt_style(tmp_path) == "compact"

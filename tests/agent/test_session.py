@@ -157,6 +157,16 @@ async def test_max_turns(repo):
     )
     assert result.status == "max_turns" and len(result.turns) == 3
 
+    # none set: the model's own budget (a trained policy's), and the session's above it
+    model = scripted(*[loop] * 5)
+    model.max_turns = 2  # type: ignore[attr-defined]
+    result, _ = await run(model, repo, config=SessionConfig(approve="all"))
+    assert result.status == "max_turns" and len(result.turns) == 2
+    model = scripted(*[loop] * 5)
+    model.max_turns = 2  # type: ignore[attr-defined]
+    result, _ = await run(model, repo, config=SessionConfig(approve="all", max_turns=4))
+    assert len(result.turns) == 4
+
 
 async def test_context_management_shrinks_old_tool_output_not_the_request(repo):
     (repo / "big.txt").write_text("line of text\n" * 4000)

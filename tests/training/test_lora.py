@@ -247,3 +247,50 @@ def test_sft_init_continues_from_a_checkpoint(tmp_path, monkeypatch):
         assert torch.equal(adapter_state(tr.model)[name], t)
     with pytest.raises(ConfigError, match="not a checkpoint folder"):
         run_with(str(tmp_path / "absent"))
+
+
+def test_the_shipped_policy_carries_its_turn_budget_into_the_embedded_folder(tmp_path, monkeypatch):
+    """`ship` writes the policy's settings beside its adapter (the turn budget its
+    episodes were trained to fit); `smollm2` merges them into the folder it loads."""
+    import json
+
+    from opencomposer.agent.backends import smollm2
+    from opencomposer.agent.backends._local import read_prompt_style, read_turn_budget
+    from opencomposer.training.ship import ship
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    base = tiny_llama(seed=0).state_dict()
+
+    def convert(source: Path, out: Path) -> None:
+        save_file(
+            {k: v.clone().contiguous() for k, v in base.items()}, str(out / "model.safetensors")
+        )
+        (out / "config.json").write_text("{}")
+        (out / smollm2._MARKER).write_text(json.dumps({"format_version": smollm2.FORMAT_VERSION}))
+
+    monkeypatch.setattr(smollm2, "_convert", convert)
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / "model.gguf")
+    dest = tmp_path / "shipped"
+    monkeypatch.setattr(smollm2, "ADAPTER_DIR", dest)
+
+    tr = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+    tr.prompt_style, tr.max_turns = "compact", 8
+    tr.sft_step(_samples())
+    tr.save(tmp_path / "run" / "checkpoints" / "step_1")
+    assert ship(tmp_path / "run", dest=dest)["settings"] == {
+        "prompt_style": "compact",
+        "max_turns": 8,
+    }
+    folder = smollm2.smollm2_path()
+    assert folder.name.startswith(f"{smollm2.FOLDER_NAME}-trained-")
+    assert read_turn_budget(folder) == 8 and read_prompt_style(folder) == "compact"
+    assert read_turn_budget(smollm2.smollm2_path(base=True)) is None
+
+    # a checkpoint saved before checkpoints recorded it: the run's config gives it
+    tr.max_turns = None
+    tr.save(tmp_path / "old" / "checkpoints" / "step_1")
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"rollout": {"max_turns": 6}}))
+    assert ship(tmp_path / "old", dest=dest)["settings"]["max_turns"] == 6
+    assert smollm2.smollm2_path() != folder  # new settings: merged anew
+    assert read_turn_budget(smollm2.smollm2_path()) == 6
