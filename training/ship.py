@@ -62,21 +62,24 @@ def _newest(run: Path) -> Path:
     return steps[-1]
 
 
-def _phases(run: Path) -> dict[str, Any]:
-    """Steps and wall time per phase, from the run's metrics.jsonl."""
+def _phases(run: Path, upto: int | None = None) -> dict[str, Any]:
+    """Steps and wall time per phase, from the run's metrics.jsonl (its steps up to
+    ``upto``: what a checkpoint of that step had been trained by)."""
     rows = []
     path = run / "metrics.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue
+            if upto is None or int(row.get("step") or 0) <= upto:
+                rows.append(row)
     phases: dict[str, dict[str, float]] = {}
     for r in rows:
         phase = str(r.get("phase") or "rl")
         p = phases.setdefault(phase, {"steps": 0, "seconds": 0.0})
-        p["steps"] += 1
+        p["steps"] += int(r.get("sft_steps") or 1)  # a warm-start row: its SFT steps
         p["seconds"] += sum(
             float(r.get(k) or 0.0) for k in ("rollout_s", "train_s", "sync_s", "eval_s")
         )
@@ -120,17 +123,51 @@ def _checkpoint(path: str | Path) -> Path:
     return p if p.is_absolute() or p.exists() else ROOT / p
 
 
+def _config_init(config: Path | None) -> str | None:
+    """The ``[sft] init`` a run's config names (its ``config.json`` or TOML file)."""
+    if config is None:
+        return None
+    try:
+        if config.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(config.read_text())
+        else:
+            data = json.loads(config.read_text())
+        init = data["sft"]["init"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return init if isinstance(init, str) and init else None
+
+
+def _stage_demos(run: Path, config: Path | None) -> dict[str, int] | None:
+    """The demonstrations a stage trained on: its config's ``[sft] traces_db``, else
+    the run's own ``demos.db``."""
+    db: str | None = None
+    if config is not None and config.suffix == ".toml":
+        import tomllib
+
+        try:
+            db = tomllib.loads(config.read_text()).get("sft", {}).get("traces_db")
+        except (OSError, ValueError):
+            db = None
+    path = _checkpoint(db) if db else run / "demos.db"
+    return _demonstrations(path.parent, path.name) if path.is_file() else None
+
+
 def lineage(src: Path, earlier: Sequence[tuple[Path, Path | None]] = ()) -> list[dict[str, Any]]:
     """Every stage that trained checkpoint ``src``, oldest first: its run, checkpoint,
-    phases, wall time and config (the run's ``config.json``, or the one given).
+    phases, wall time, config and demonstrations.
 
-    The chain follows the ``init`` each checkpoint's ``opencomposer.json`` records (the
-    trainer writes it); where a checkpoint records none, the next of ``earlier``
-    (``(checkpoint, config)`` pairs, oldest first) is the one it started from."""
-    rest = list(earlier)
+    A checkpoint's parent is the ``init`` its ``opencomposer.json`` records (the trainer
+    writes it), else the ``[sft] init`` of its run's config. ``earlier`` covers the
+    checkpoints saved before either existed: ``(checkpoint, config)`` pairs, the whole
+    chain before ``src``, oldest first. There a checkpoint's parent is the entry before
+    it, and a pair's config stands for a run folder without ``config.json``."""
+    chain = [(c.resolve(), cfg) for c, cfg in earlier]
+    given = dict(chain)
     stages: list[dict[str, Any]] = []
     ckpt: Path | None = src
-    config: Path | None = None
     seen: set[Path] = set()
     while ckpt is not None and ckpt.resolve() not in seen:
         seen.add(ckpt.resolve())
@@ -138,18 +175,31 @@ def lineage(src: Path, earlier: Sequence[tuple[Path, Path | None]] = ()) -> list
             stages.append({"checkpoint": _rel(ckpt), "missing": True})
             break
         run = ckpt.parent.parent  # <out>/checkpoints/step_N
-        stage: dict[str, Any] = {"run": _rel(run), "checkpoint": ckpt.name, **_phases(run)}
-        config = config or (run / "config.json" if (run / "config.json").is_file() else None)
+        config = given.get(ckpt.resolve())
+        if config is None and (run / "config.json").is_file():
+            config = run / "config.json"
+        step = ckpt.name.removeprefix("step_")
+        upto = int(step) if step.isdigit() else None
+        stage: dict[str, Any] = {
+            "run": _rel(run),
+            "checkpoint": ckpt.name,
+            **_phases(run, upto),
+        }
         if config is not None:
             stage["config"] = _config(config)
+        demos = _stage_demos(run, config)
+        if demos is not None:
+            stage["demonstrations"] = demos
         stages.append(stage)
-        init = read_model_settings(ckpt).get("init")
+        init = read_model_settings(ckpt).get("init") or _config_init(config)
         if init:
-            ckpt, config = _checkpoint(init), None
-        elif rest:
-            ckpt, config = rest.pop()
+            ckpt = _checkpoint(init)
+            continue
+        at = [i for i, (c, _) in enumerate(chain) if c == ckpt.resolve()]
+        if at:
+            ckpt = chain[at[0] - 1][0] if at[0] > 0 else None
         else:
-            ckpt = None
+            ckpt = chain[-1][0] if chain else None
     return stages[::-1]
 
 
@@ -171,9 +221,9 @@ def _corpus(corpus: Path | None) -> dict[str, Any] | None:
     }
 
 
-def _demonstrations(run: Path) -> dict[str, int] | None:
+def _demonstrations(run: Path, name: str = "demos.db") -> dict[str, int] | None:
     """How many demonstrations the run recorded and how many were accepted."""
-    path = run / "demos.db"
+    path = run / name
     if not path.is_file():
         return None
     from opencomposer.agent.traces import TraceStore

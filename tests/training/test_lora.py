@@ -172,7 +172,13 @@ def test_the_card_lists_every_stage_that_trained_the_shipped_checkpoint(tmp_path
     from opencomposer.training.sft import load_init
     from opencomposer.training.ship import ship
 
-    def stage(name: str, step: int, init: Path | None = None, record: bool = True) -> Path:
+    def stage(
+        name: str,
+        step: int,
+        init: Path | None = None,
+        record: bool = True,
+        config: dict | None = None,
+    ) -> Path:
         tr = Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
         if init is not None:
             cfg = SimpleNamespace(sft=SimpleNamespace(init=str(init)))
@@ -186,7 +192,7 @@ def test_the_card_lists_every_stage_that_trained_the_shipped_checkpoint(tmp_path
             {"step": i + 1, "phase": "sft", "time": 10.0 * i, "train_s": 2.0} for i in range(step)
         ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run / "config.json").write_text(json.dumps({"name": name}))
+        (run / "config.json").write_text(json.dumps(config or {"name": name}))
         return tr.save(run / "checkpoints" / f"step_{step}")
 
     old = stage("old", 3)
@@ -211,6 +217,12 @@ def test_the_card_lists_every_stage_that_trained_the_shipped_checkpoint(tmp_path
     assert card["total"] == {"steps": 9, "seconds": 18.0}
     # without `earlier`, the chain ends where the record does
     assert len(ship(tmp_path / "last", dest=tmp_path / "s2")["stages"]) == 2
+    # a checkpoint without the record: its run's config names where it started
+    stage("cfg", 1, init=first, record=False, config={"sft": {"init": str(first)}})
+    card = ship(tmp_path / "cfg", dest=tmp_path / "s3", earlier=[(old, conf), (first, None)])
+    assert [s["run"] for s in card["stages"]] == [
+        str(tmp_path / n) for n in ("old", "first", "cfg")
+    ]
 
 
 def test_sft_init_continues_from_a_checkpoint(tmp_path, monkeypatch):
