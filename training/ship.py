@@ -96,12 +96,10 @@ def _settings(src: Path, run: Path) -> dict[str, Any]:
     """The model settings the policy ships with: the checkpoint's (its prompt style, its
     turn budget), the budget read from the run's config where the checkpoint predates it."""
     settings = {k: v for k, v in read_model_settings(src).items() if k != "init"}
-    if "max_turns" not in settings:
-        try:
-            config = json.loads((run / "config.json").read_text())
-            settings["max_turns"] = int(config["rollout"]["max_turns"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    rollout = _read_config(run / "config.json").get("rollout")
+    turns = rollout.get("max_turns") if isinstance(rollout, dict) else None
+    if "max_turns" not in settings and isinstance(turns, int) and turns > 0:
+        settings["max_turns"] = turns
     return settings
 
 
@@ -123,10 +121,10 @@ def _checkpoint(path: str | Path) -> Path:
     return p if p.is_absolute() or p.exists() else ROOT / p
 
 
-def _config_init(config: Path | None) -> str | None:
-    """The ``[sft] init`` a run's config names (its ``config.json`` or TOML file)."""
+def _read_config(config: Path | None) -> dict[str, Any]:
+    """A run's config as data (its ``config.json`` or TOML file); empty if unreadable."""
     if config is None:
-        return None
+        return {}
     try:
         if config.suffix == ".toml":
             import tomllib
@@ -134,23 +132,22 @@ def _config_init(config: Path | None) -> str | None:
             data = tomllib.loads(config.read_text())
         else:
             data = json.loads(config.read_text())
-        init = data["sft"]["init"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return init if isinstance(init, str) and init else None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _sft(config: Path | None, key: str) -> str | None:
+    """A string of the config's ``[sft]`` section (``init``, ``traces_db``), if set."""
+    sft = _read_config(config).get("sft")
+    value = sft.get(key) if isinstance(sft, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _stage_demos(run: Path, config: Path | None) -> dict[str, int] | None:
     """The demonstrations a stage trained on: its config's ``[sft] traces_db``, else
     the run's own ``demos.db``."""
-    db: str | None = None
-    if config is not None and config.suffix == ".toml":
-        import tomllib
-
-        try:
-            db = tomllib.loads(config.read_text()).get("sft", {}).get("traces_db")
-        except (OSError, ValueError):
-            db = None
+    db = _sft(config, "traces_db")
     path = _checkpoint(db) if db else run / "demos.db"
     return _demonstrations(path.parent, path.name) if path.is_file() else None
 
@@ -191,7 +188,7 @@ def lineage(src: Path, earlier: Sequence[tuple[Path, Path | None]] = ()) -> list
         if demos is not None:
             stage["demonstrations"] = demos
         stages.append(stage)
-        init = read_model_settings(ckpt).get("init") or _config_init(config)
+        init = read_model_settings(ckpt).get("init") or _sft(config, "init")
         if init:
             ckpt = _checkpoint(init)
             continue
