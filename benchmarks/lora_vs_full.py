@@ -11,6 +11,10 @@ a plot to `docs/rl/lora-vs-full/`:
     opencomposer train --config configs/lora-vs-full/lora.toml
     .venv/bin/python benchmarks/lora_vs_full.py [--full RUN] [--lora RUN] [--out DIR]
 
+RUN is a run folder or its metrics.jsonl (the measured runs' copies are in
+docs/rl/lora-vs-full/: `--full docs/rl/lora-vs-full/full.metrics.jsonl --lora
+docs/rl/lora-vs-full/lora.metrics.jsonl --out /tmp/x` prints the same curves).
+
 One evaluation is 17 held-out tasks x 2 samples at temperature 0.7; the standard error
 of one figure is taken as sqrt(p (1 - p) / 34): exact for rewards of 0 or 1, an upper
 bound for rewards in [0, 1].
@@ -31,7 +35,9 @@ EPISODES = 34  # 17 held-out starter tasks x eval_samples 2
 
 
 def rows(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
+    """A run's metrics: RUN/metrics.jsonl, or RUN itself when it is the file (the copies
+    kept beside the report)."""
+    path = run if run.is_file() else run / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"error: {path} not found: train the arm first (see --help)")
     out = []
@@ -80,6 +86,8 @@ def step_costs(run: Path) -> dict[str, float]:
 
 def checkpoint_bytes(run: Path) -> tuple[int, int]:
     """(weights and adapter, trainer state) of the run's newest checkpoint."""
+    if run.is_file():
+        return 0, 0
     ckpts = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     if not ckpts:
         return 0, 0
@@ -126,12 +134,17 @@ def main() -> int:
     cost_lines = []
     for name, c in costs.items():
         weights, state = checkpoint_bytes(arms[name])
+        held = (
+            f"; newest checkpoint {weights / 2**20:.0f} MiB of weights"
+            f"{' (the adapter)' if 'LoRA' in name else ''}, {state / 2**20:.0f} MiB of "
+            "trainer state"
+            if weights
+            else ""
+        )
         cost_lines.append(
             f"- {name}: {c['trained']} of {c['steps']} RL steps trained; per trained step "
             f"train {c['train_s']:.1f} s, weight sync {c['sync_s']:.2f} s; rollout "
-            f"{c['rollout_s']:.1f} s a step; newest checkpoint {weights / 2**20:.0f} MiB "
-            f"of weights{' (the adapter)' if 'LoRA' in name else ''}, "
-            f"{state / 2**20:.0f} MiB of trainer state"
+            f"{c['rollout_s']:.1f} s a step{held}"
         )
     full, lora = costs.values()
     if full["train_s"]:
