@@ -657,6 +657,8 @@ def build_project(
         record.update(status="built", **stats)
     except Skip as e:
         record.update(status="skipped", reason=str(e), tasks=0)
+        if missing_module(str(e)):  # the build tried to install it (`_build`): no retry
+            record["deps_tried"] = True
     except Exception as e:  # a builder bug or an environment failure: reported, retried next run
         record.update(status="error", reason=_line(f"{type(e).__name__}: {e}"), tasks=0)
     if record["status"] != "built":  # nothing half-made stays behind
@@ -1260,10 +1262,7 @@ def build_corpus(
         key = spec.key(settings)
         if done and not force and done.get("key") == spec.key(settings, version=RESTYLED_FROM):
             done = restyle_project(out / "projects" / spec.name, key, say=say)
-        retry = done is not None and (
-            done["status"] == "error" or bool(missing_module(done.get("reason") or ""))
-        )  # a skip for a missing test dependency is retried: the builder installs those now
-        if done and not force and done.get("key") == key and not retry:
+        if done and not force and done.get("key") == key and not _worth_retrying(done):
             continue
         todo.append(spec)
     todo = _interleave_splits(todo)
@@ -1349,6 +1348,15 @@ def _interleave_splits(specs: list[ProjectSpec]) -> list[ProjectSpec]:
         out.append(by_split[split][taken[split]])
         taken[split] += 1
     return out
+
+
+def _worth_retrying(done: dict[str, Any]) -> bool:
+    """Whether a finished project is built again: after an error, or after a skip for a
+    missing test dependency that the build did not try to install (one recorded before
+    builds installed those; the record says `deps_tried` since)."""
+    if done.get("status") == "error":
+        return True
+    return bool(missing_module(done.get("reason") or "")) and not done.get("deps_tried")
 
 
 def restyle_project(

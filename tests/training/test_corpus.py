@@ -462,6 +462,12 @@ def test_a_missing_test_dependency_is_named_and_its_skip_retried(tmp_path: Path)
     # without .deps on the path, nothing is installed
     assert not corpus.install_missing("nose2", [tmp_path], corpus.TestEnv())
     assert not corpus.install_missing("no;such", [tmp_path], corpus.TestEnv(pythonpath=[".deps"]))
+    # retried once by a build that installs missing dependencies, not again after it tried
+    skipped = {"status": "skipped", "reason": reason}
+    assert corpus._worth_retrying(skipped)
+    assert not corpus._worth_retrying({**skipped, "deps_tried": True})
+    assert not corpus._worth_retrying({"status": "skipped", "reason": "no tests in the source"})
+    assert corpus._worth_retrying({"status": "error", "reason": "OSError: disk full"})
 
 
 WORKER_PARENT = """
