@@ -336,6 +336,11 @@ def main() -> int:
         earlier = [
             (Path(c), Path(f) if f else None) for c, _, f in (x.partition("=") for x in a.after)
         ]
+        for ckpt, conf in earlier:
+            if not ckpt.is_dir():
+                raise ShipError(f"--after {ckpt}: not a checkpoint folder")
+            if conf is not None and not conf.is_file():
+                raise ShipError(f"--after {ckpt}={conf}: no such config file")
         card = ship(
             a.run,
             checkpoint=a.checkpoint,
