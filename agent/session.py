@@ -193,9 +193,9 @@ class Session:
         self.model = model
         self.workspace = workspace
         self.config = config or SessionConfig()
-        budget = getattr(model, "max_turns", None)
-        self.max_turns = self.config.max_turns or (
-            budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_TURNS
+        # the backends read a folder's budget already checked (`read_turn_budget`)
+        self.max_turns = (
+            self.config.max_turns or getattr(model, "max_turns", None) or DEFAULT_MAX_TURNS
         )
         self.approver = approver
         self.traces = traces

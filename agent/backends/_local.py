@@ -83,11 +83,6 @@ def read_turn_budget(path: str | Path) -> int | None:
     return turns if isinstance(turns, int) and not isinstance(turns, bool) and turns > 0 else None
 
 
-def write_prompt_style(path: str | Path, style: str) -> None:
-    """Record in a model folder the prompt style it was trained with."""
-    write_model_settings(path, {"prompt_style": style})
-
-
 class ChatTokenizer:
     """A lazily loaded Hugging Face tokenizer with the model's chat template."""
 

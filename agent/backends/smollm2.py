@@ -76,12 +76,10 @@ def smollm2_path(*, base: bool = False) -> Path:
     folder = _build(cache_root() / FOLDER_NAME, lambda tmp: _convert(gguf_path(), tmp))
     if base or not (ADAPTER_DIR / ADAPTER_FILE).is_file():
         return folder
-    shipped = (ADAPTER_DIR / name for name in (ADAPTER_FILE, ADAPTER_SETTINGS))
+    shipped = (ADAPTER_DIR / f for f in (ADAPTER_FILE, ADAPTER_SETTINGS))
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in shipped if f.is_file()))
-    digest_hex = digest.hexdigest()[:12]
-    return _build(
-        cache_root() / f"{FOLDER_NAME}-trained-{digest_hex}", lambda tmp: _merge(folder, tmp)
-    )
+    name = f"{FOLDER_NAME}-trained-{digest.hexdigest()[:12]}"
+    return _build(cache_root() / name, lambda tmp: _merge(folder, tmp))
 
 
 def shipped_adapter() -> Path | None:

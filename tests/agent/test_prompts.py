@@ -5,7 +5,7 @@ import json
 
 import pytest
 from opencomposer.agent.backends import make_model
-from opencomposer.agent.backends._local import read_prompt_style, write_prompt_style
+from opencomposer.agent.backends._local import read_prompt_style, write_model_settings
 from opencomposer.agent.prompts import system_prompt
 from opencomposer.agent.session import Session, SessionConfig
 from opencomposer.agent.xmlcalls import parse_all
@@ -35,7 +35,7 @@ def test_unknown_style_is_one_clear_error():
 
 def test_model_folder_names_its_style(tmp_path):
     assert read_prompt_style(tmp_path) == "full"
-    write_prompt_style(tmp_path, "compact")
+    write_model_settings(tmp_path, {"prompt_style": "compact"})
     assert read_prompt_style(tmp_path) == "compact"
     (tmp_path / "opencomposer.json").write_text(json.dumps({"prompt_style": "huge"}))
     assert read_prompt_style(tmp_path) == "full"
@@ -44,7 +44,7 @@ def test_model_folder_names_its_style(tmp_path):
 
 
 def test_hf_backend_reads_the_folder_style(tmp_path):
-    write_prompt_style(tmp_path, "compact")
+    write_model_settings(tmp_path, {"prompt_style": "compact"})
     (tmp_path / "config.json").write_text("{}")
     model = make_model(f"hf:{tmp_path}")  # nothing loads until the first turn
     assert model.prompt_style == "compact"
