@@ -91,7 +91,13 @@ def _tasks_build_corpus(a: argparse.Namespace) -> int:
 
     only = [p.strip() for p in (a.projects or "").split(",") if p.strip()]
     report = build_corpus(
-        load_manifest(a.manifest), a.out, jobs=a.jobs, only=only, force=a.force, limit=a.limit
+        load_manifest(a.manifest),
+        a.out,
+        jobs=a.jobs,
+        only=only,
+        force=a.force,
+        limit=a.limit,
+        earlier=a.earlier,
     )
     return 0 if report["totals"]["tasks"] else 1
 
@@ -250,6 +256,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--projects", help="only these projects (comma-separated names)")
     t.add_argument("--force", action="store_true", help="rebuild projects already built")
     t.add_argument("--limit", type=int, help="single-site tasks per project (default: manifest)")
+    t.add_argument(
+        "--earlier",
+        type=Path,
+        help="an earlier build's report.json (docs/corpus/report.json): the report keeps "
+        "its rows for projects this folder lacks, where the manifest entry is unchanged",
+    )
     t = tsub.add_parser("export", help="write a built corpus's tasks as plain task folders")
     t.set_defaults(fn=_tasks_export)
     t.add_argument("corpus", type=Path)

@@ -1,6 +1,7 @@
 """A corpus of bug-injection tasks mined from many real projects.
 
     opencomposer tasks build-corpus --manifest configs/corpus.toml --out DIR [--jobs N] [--projects a,b]
+        [--earlier docs/corpus/report.json]
     opencomposer tasks export DIR --out TASKS [--split heldout] [--query mixed]
 
 The manifest (`configs/corpus.toml`) lists the projects, each a PyPI sdist pinned
@@ -1236,10 +1237,12 @@ def build_corpus(
     force: bool = False,
     limit: int | None = None,
     say: Callable[[str], None] | None = None,
+    earlier: Path | None = None,
 ) -> dict[str, Any]:
     """Build every project of the manifest that is not built yet (in `jobs` processes),
     then write the build report. Returns the report. `limit` overrides the manifest's
-    tasks per project (a quick trial build)."""
+    tasks per project (a quick trial build); `earlier` is another build's report.json
+    whose rows fill in projects this folder lacks (`write_report`)."""
     out = Path(out).expanduser().resolve()
     say = say or (lambda s: print(s, file=sys.stderr, flush=True))
     only = [o for o in only if o]
@@ -1254,6 +1257,8 @@ def build_corpus(
         if limit < 1:
             raise CorpusError(f"--limit must be at least 1, got {limit}")
         settings = replace(settings, limit=limit)
+    if earlier is not None:
+        _earlier_rows(earlier, manifest)  # a bad report fails now, not after the build
     specs = [p for p in manifest.projects if not only or p.name in only]
     (out / "projects").mkdir(parents=True, exist_ok=True)
     todo = []
@@ -1304,7 +1309,7 @@ def build_corpus(
                         "reason": _line(f"{type(e).__name__}: {e}"),
                     }
                 report_one(rec)
-    report = write_report(manifest, out, run_seconds=time.monotonic() - t0)
+    report = write_report(manifest, out, run_seconds=time.monotonic() - t0, earlier=earlier)
     say(
         f"corpus: {report['totals']['tasks']} tasks from {report['totals']['projects_built']} "
         f"projects ({report['totals']['heldout_tasks']} held out) → {out / 'report.md'}"
@@ -1404,10 +1409,38 @@ def _read_record(project_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_report(manifest: Manifest, out: Path, *, run_seconds: float = 0.0) -> dict[str, Any]:
+def _earlier_rows(path: Path, manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """The rows of an earlier build's `report.json` that still describe what this
+    manifest would build: same entry, same settings, same builder (the row's `key`)."""
+    try:
+        earlier = json.loads(path.read_text())
+        rows = earlier["projects"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorpusError(f"{path}: not a corpus build report ({_line(str(e))})") from None
+    keys = {spec.name: spec.key(manifest.settings) for spec in manifest.projects}
+    return {
+        r["name"]: r
+        for r in rows
+        if isinstance(r, dict)
+        and r.get("key")
+        and r.get("key") == keys.get(r.get("name"))
+        and r.get("status") in ("built", "skipped")
+    }
+
+
+def write_report(
+    manifest: Manifest, out: Path, *, run_seconds: float = 0.0, earlier: Path | None = None
+) -> dict[str, Any]:
+    """Write `out/report.json` and `out/report.md` from the projects built in `out`.
+    With `earlier` (another build's report.json, e.g. the one in docs/corpus/), a
+    project that `out` lacks takes that build's row when its key still matches, marked
+    `earlier`: a report that spans builds on several machines says which rows it saw."""
+    before = _earlier_rows(earlier, manifest) if earlier is not None else {}
     rows = []
     for spec in manifest.projects:
         rec = _read_record(out / "projects" / spec.name)
+        if rec is None and spec.name in before:
+            rec = {**before[spec.name], "earlier": True}
         if rec is None:
             rec = {"name": spec.name, "split": spec.split, "status": "not built", "tasks": 0}
         rows.append(rec)
@@ -1425,6 +1458,7 @@ def write_report(manifest: Manifest, out: Path, *, run_seconds: float = 0.0) -> 
             "projects_built": len(built),
             "heldout_projects_built": sum(1 for r in built if r["split"] == "heldout"),
             "build_seconds": round(sum(r.get("seconds", 0.0) for r in rows), 1),
+            "projects_from_earlier": sum(1 for r in rows if r.get("earlier")),
         },
         "projects": rows,
     }
@@ -1435,6 +1469,16 @@ def write_report(manifest: Manifest, out: Path, *, run_seconds: float = 0.0) -> 
         f"{report['totals']['tasks']} tasks from {len(built)} of {len(rows)} projects "
         f"({report['totals']['heldout_tasks']} held out); building took "
         f"{report['totals']['build_seconds']:.0f} s of project time.",
+        *(
+            [
+                "",
+                f"{report['totals']['projects_from_earlier']} rows marked *earlier* come from an "
+                f"earlier build's report ({earlier.name}) for the same manifest entry, settings "
+                "and builder; this build did not have them.",
+            ]
+            if earlier is not None and report["totals"]["projects_from_earlier"]
+            else []
+        ),
         "",
         "| project | split | status | tasks | two-site | tried | seconds | notes / reason |",
         "|---|---|---|---|---|---|---|---|",
@@ -1442,7 +1486,7 @@ def write_report(manifest: Manifest, out: Path, *, run_seconds: float = 0.0) -> 
     for r in rows:
         note = r.get("reason") or ", ".join(r.get("notes", []))
         lines.append(
-            f"| {r['name']} | {r.get('split', '')} | {r['status']} | {r['tasks']} | "
+            f"| {r['name']} | {r.get('split', '')} | {r['status']}{' (earlier)' if r.get('earlier') else ''} | {r['tasks']} | "
             f"{r.get('two_site', 0)} | {r.get('attempts', 0)} | {r.get('seconds', 0):.0f} | "
             f"{note.replace('|', '/')} |"
         )

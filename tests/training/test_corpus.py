@@ -368,6 +368,66 @@ def test_checked_in_manifest_parses() -> None:
     assert all("sample_repo" not in p.git for p in m.projects)
 
 
+def test_report_keeps_an_earlier_builds_rows_only_for_unchanged_entries(tmp_path: Path) -> None:
+    """A report spanning builds: a project this folder lacks takes the earlier report's
+    row (marked), but only where the manifest entry, settings and builder still match."""
+    body = "[corpus]\nlimit = 3\n\n" + "".join(
+        f'[[project]]\npypi = "{n}==1.0"\nsplit = "{s}"\n\n'
+        for n, s in (
+            ("alpha", "train"),
+            ("beta", "heldout"),
+            ("gamma", "train"),
+            ("delta", "train"),
+        )
+    )
+    manifest = corpus.load_manifest(_manifest(tmp_path, body))
+    keys = {p.name: p.key(manifest.settings) for p in manifest.projects}
+    out = tmp_path / "corpus"
+    here = out / "projects" / "alpha"
+    here.mkdir(parents=True)
+    here_rec = {
+        "name": "alpha",
+        "split": "train",
+        "status": "built",
+        "tasks": 5,
+        "key": keys["alpha"],
+    }
+    (here / "project.json").write_text(json.dumps(here_rec))
+
+    def row(name: str, split: str, tasks: int, key: str) -> dict:
+        return {"name": name, "split": split, "status": "built", "tasks": tasks, "key": key}
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(
+        json.dumps(
+            {
+                "projects": [
+                    row("alpha", "train", 99, keys["alpha"]),  # this folder has its own
+                    row("beta", "heldout", 7, keys["beta"]),  # kept
+                    row("gamma", "train", 8, "0123456789abcdef"),  # the entry changed since
+                    {"name": "delta", "split": "train", "status": "built", "tasks": 9},  # no key
+                ]
+            }
+        )
+    )
+    report = corpus.write_report(manifest, out, earlier=earlier)
+    by_name = {r["name"]: r for r in report["projects"]}
+    assert by_name["alpha"]["tasks"] == 5 and not by_name["alpha"].get("earlier")
+    assert by_name["beta"]["tasks"] == 7 and by_name["beta"]["earlier"] is True
+    assert by_name["gamma"]["status"] == by_name["delta"]["status"] == "not built"
+    assert report["totals"]["tasks"] == 12 and report["totals"]["heldout_tasks"] == 7
+    assert report["totals"]["projects_from_earlier"] == 1
+    md = (out / "report.md").read_text()
+    assert "| beta | heldout | built (earlier) | 7 |" in md and "1 rows marked *earlier*" in md
+    # Without an earlier report, only what this folder holds.
+    assert corpus.write_report(manifest, out)["totals"]["tasks"] == 5
+
+    earlier.write_text("{not json")
+    with pytest.raises(TaskError) as e:
+        corpus.build_corpus(manifest, out, only=["alpha"], earlier=earlier, say=lambda s: None)
+    assert "not a corpus build report" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_sample_repository_is_refused(tmp_path: Path) -> None:
     sample = Path(__file__).parents[2] / "examples" / "sample_repo"
     shutil.copytree(sample, tmp_path / "copy")
