@@ -637,6 +637,8 @@ def build_project(
     say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Build one project into `out/projects/NAME/` (atomically) and return its record."""
+    if _ending.is_set():  # a build worker told to end takes no more work
+        raise SystemExit(1)
     t0 = time.monotonic()
     final = out / "projects" / spec.name
     staging = out / "projects" / f".{spec.name}.building"
@@ -1328,9 +1330,15 @@ def _end_with(parent: int) -> None:
     signal.signal(signal.SIGTERM, _worker_ends)
 
 
+_ending = threading.Event()
+
+
 def _worker_ends(signum: int, frame: Any) -> None:
     # SystemExit unwinds the project being built (its scratch folder is removed); the
-    # pool's worker loop then catches it and waits for more work, so a timer ends it.
+    # pool's worker loop then catches it and waits for more work, so a timer ends it,
+    # and `build_project` refuses what the worker picks up meanwhile (it would leave
+    # that project's scratch folder behind).
+    _ending.set()
     threading.Timer(5.0, os._exit, (1,)).start()
     raise SystemExit(1)
 

@@ -586,3 +586,16 @@ def test_build_workers_end_with_the_build(tmp_path: Path) -> None:
         assert not any(scratch.iterdir())
     finally:
         parent.kill()
+
+
+def test_a_worker_told_to_end_takes_no_more_projects(tmp_path: Path) -> None:
+    """After SIGTERM a worker lives 5 s more; a project it picks up meanwhile is refused
+    before it makes a folder (os._exit would leave that project's scratch behind)."""
+    spec = corpus.ProjectSpec(name="late", split="train", pypi="late==1.0")
+    corpus._ending.set()
+    try:
+        with pytest.raises(SystemExit):
+            corpus.build_project(spec, corpus.CorpusSettings(), tmp_path)
+    finally:
+        corpus._ending.clear()
+    assert not any(tmp_path.iterdir())
