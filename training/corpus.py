@@ -1476,7 +1476,8 @@ def write_report(
         "",
         f"{report['totals']['tasks']} tasks from {len(built)} of {len(rows)} projects "
         f"({report['totals']['heldout_tasks']} held out); building took "
-        f"{report['totals']['build_seconds']:.0f} s of project time.",
+        f"{report['totals']['build_seconds']:.0f} s of project time"
+        + (f"; this run took {run_seconds:.0f} s of wall-clock." if run_seconds else "."),
         *(
             [
                 "",
