@@ -1433,6 +1433,8 @@ def _earlier_rows(path: Path, manifest: Manifest) -> dict[str, dict[str, Any]]:
         and r.get("key")
         and r.get("key") == keys.get(r.get("name"))
         and r.get("status") in ("built", "skipped")
+        and isinstance(r.get("tasks"), int)
+        and r.get("split") in ("train", "heldout")
     }
 
 
