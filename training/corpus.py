@@ -101,6 +101,9 @@ DEPS_DIR = ".deps"
 SPLITS = ("train", "heldout")
 QUERY_KINDS = ("test", "issue", "oneline")
 NEUTRAL_ADDOPTS = ("-o", "addopts=", "-o", "required_plugins=")
+# A marker that a missing plugin registers (`no_cover`, pytest-cov's), met by a project
+# whose `filterwarnings = error` turns pytest's unknown-mark warning into a failure.
+UNKNOWN_MARKS = ("-W", "ignore::pytest.PytestUnknownMarkWarning")
 # Plugins that would break tracing or determinism when a project's venv has them.
 ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly")
 MAX_DEPS_MB = 100
@@ -817,7 +820,19 @@ async def _baseline(
     try:
         base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
     except TaskError as e:
-        raise Skip(_why_no_tests(first, getattr(e, "output", "") or str(e), env)) from None
+        output = getattr(e, "output", "") or str(e)
+        if "PytestUnknownMarkWarning" not in output:
+            raise Skip(_why_no_tests(first, output, env)) from None
+        neutral = mining.MineConfig(
+            **{**neutral.__dict__, "pytest_args": (*neutral.pytest_args, *UNKNOWN_MARKS)}
+        )
+        try:
+            base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
+        except TaskError as e:
+            raise Skip(_why_no_tests(first, getattr(e, "output", "") or str(e), env)) from None
+        env.pytest_args += list(NEUTRAL_ADDOPTS) + list(UNKNOWN_MARKS)
+        env.notes.append("addopts neutralised, marks of missing plugins allowed")
+        return base
     env.pytest_args += list(NEUTRAL_ADDOPTS)
     env.notes.append("addopts neutralised")
     return base

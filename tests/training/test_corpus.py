@@ -451,6 +451,29 @@ def test_tasks_mine_handles_the_same_layouts(tmp_path: Path, capsys) -> None:
     assert (ws / ".deps").is_dir() and asyncio.run(_run(task.verify, ws)) != 0
 
 
+def test_marks_of_missing_plugins_under_filterwarnings_error(tmp_path: Path, capsys) -> None:
+    """A suite whose conftest marks items with a missing plugin's marker (`no_cover`),
+    under `filterwarnings = error`: pytest stops with an internal error until unknown-mark
+    warnings are let through; the verify command carries that too."""
+    from opencomposer.server.cli import main
+
+    repo, _ = _project(tmp_path)
+    (repo / "pytest.ini").write_text(
+        "[pytest]\naddopts = -ra --cov=tinylib\nfilterwarnings =\n    error\n"
+    )
+    (repo / "tests" / "conftest.py").write_text(
+        "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n        item.add_marker(pytest.mark.no_cover)\n"
+    )
+    code = main(["tasks", "mine", str(repo), "--out", str(tmp_path / "mined"), "--limit", "1"])
+    assert code == 0, capsys.readouterr().err
+    (task,) = load_suite(tmp_path / "mined")
+    assert "ignore::pytest.PytestUnknownMarkWarning" in task.verify
+    ws = tmp_path / "ws"
+    safe_extract(task.repo_tar, ws)
+    assert asyncio.run(_run(task.verify, ws)) != 0
+
+
 @pytest.mark.parametrize(
     ("name", "text", "expected"),
     [
