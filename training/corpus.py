@@ -1326,7 +1326,9 @@ def build_corpus(
                         "reason": _line(f"{type(e).__name__}: {e}"),
                     }
                 report_one(rec)
-    report = write_report(manifest, out, run_seconds=time.monotonic() - t0, earlier=earlier)
+    report = write_report(
+        manifest, out, run_seconds=time.monotonic() - t0, earlier=earlier, settings=settings
+    )
     say(
         f"corpus: {report['totals']['tasks']} tasks from {report['totals']['projects_built']} "
         f"projects ({report['totals']['heldout_tasks']} held out) → {out / 'report.md'}"
@@ -1432,7 +1434,9 @@ def _read_record(project_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _earlier_rows(path: Path, manifest: Manifest) -> dict[str, dict[str, Any]]:
+def _earlier_rows(
+    path: Path, manifest: Manifest, settings: CorpusSettings | None = None
+) -> dict[str, dict[str, Any]]:
     """The rows of an earlier build's `report.json` that still describe what this
     manifest would build: same entry, same settings, same builder (the row's `key`)."""
     try:
@@ -1440,7 +1444,7 @@ def _earlier_rows(path: Path, manifest: Manifest) -> dict[str, dict[str, Any]]:
         rows = earlier["projects"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorpusError(f"{path}: not a corpus build report ({_line(str(e))})") from None
-    keys = {spec.name: spec.key(manifest.settings) for spec in manifest.projects}
+    keys = {spec.name: spec.key(settings or manifest.settings) for spec in manifest.projects}
     return {
         r["name"]: r
         for r in rows
@@ -1454,16 +1458,24 @@ def _earlier_rows(path: Path, manifest: Manifest) -> dict[str, dict[str, Any]]:
 
 
 def write_report(
-    manifest: Manifest, out: Path, *, run_seconds: float = 0.0, earlier: Path | None = None
+    manifest: Manifest,
+    out: Path,
+    *,
+    run_seconds: float = 0.0,
+    earlier: Path | None = None,
+    settings: CorpusSettings | None = None,
 ) -> dict[str, Any]:
     """Write `out/report.json` and `out/report.md` from the projects built in `out`.
     With `earlier` (another build's report.json, e.g. the one in docs/corpus/), a
     project that `out` lacks takes that build's row when its key still matches, marked
     `earlier`: a report that spans builds on several machines says which rows it saw."""
-    before = _earlier_rows(earlier, manifest) if earlier is not None else {}
+    settings = settings or manifest.settings
+    before = _earlier_rows(earlier, manifest, settings) if earlier is not None else {}
     rows = []
     for spec in manifest.projects:
         rec = _read_record(out / "projects" / spec.name)
+        if rec is not None and rec.get("key") != spec.key(settings):
+            rec = None  # built for another version of this entry (or other settings)
         if rec is None and spec.name in before:
             rec = {**before[spec.name], "earlier": True}
         if rec is None:

@@ -421,6 +421,12 @@ def test_report_keeps_an_earlier_builds_rows_only_for_unchanged_entries(tmp_path
     assert "| beta | heldout | built (earlier) | 7 |" in md and "1 rows marked *earlier*" in md
     # Without an earlier report, only what this folder holds.
     assert corpus.write_report(manifest, out)["totals"]["tasks"] == 5
+    # A record built for another version of the entry is not this entry's build.
+    (here / "project.json").write_text(json.dumps({**here_rec, "key": "fedcba9876543210"}))
+    stale = corpus.write_report(manifest, out, earlier=earlier)
+    assert {r["name"]: r["status"] for r in stale["projects"]}["alpha"] == "built"
+    assert {r["name"]: r["tasks"] for r in stale["projects"]}["alpha"] == 99  # the earlier row
+    assert corpus.write_report(manifest, out)["totals"]["tasks"] == 0
 
     earlier.write_text("{not json")
     with pytest.raises(TaskError) as e:
