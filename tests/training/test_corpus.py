@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opencomposer.tools.protocols import SandboxConfig
@@ -445,24 +446,28 @@ def test_sample_repository_is_refused(tmp_path: Path) -> None:
 def test_tasks_mine_handles_the_same_layouts(tmp_path: Path, capsys) -> None:
     """`opencomposer tasks mine REPO` on the src-layout, must-install, foreign-addopts
     project: it used to stop at "no passing tests to mine from"."""
+    repo, _ = _project(tmp_path)
+    task, ws = _mine_one(repo, tmp_path, capsys)
+    assert "PYTHONPATH=src:.deps" in task.verify
+    assert (ws / ".deps").is_dir() and asyncio.run(_run(task.verify, ws)) != 0
+
+
+def _mine_one(repo: Path, tmp_path: Path, capsys) -> tuple[Any, Path]:
+    """`tasks mine REPO --limit 1`: the one task, and its workspace unpacked."""
     from opencomposer.server.cli import main
 
-    repo, _ = _project(tmp_path)
     code = main(["tasks", "mine", str(repo), "--out", str(tmp_path / "mined"), "--limit", "1"])
     assert code == 0, capsys.readouterr().err
     (task,) = load_suite(tmp_path / "mined")
-    assert "PYTHONPATH=src:.deps" in task.verify
     ws = tmp_path / "ws"
     safe_extract(task.repo_tar, ws)
-    assert (ws / ".deps").is_dir() and asyncio.run(_run(task.verify, ws)) != 0
+    return task, ws
 
 
 def test_marks_of_missing_plugins_under_filterwarnings_error(tmp_path: Path, capsys) -> None:
     """A suite whose conftest marks items with a missing plugin's marker (`no_cover`),
     under `filterwarnings = error`: pytest stops with an internal error until unknown-mark
     warnings are let through; the verify command carries that too."""
-    from opencomposer.server.cli import main
-
     repo, _ = _project(tmp_path)
     (repo / "pytest.ini").write_text(
         "[pytest]\naddopts = -ra --cov=tinylib\nfilterwarnings =\n    error\n"
@@ -471,12 +476,8 @@ def test_marks_of_missing_plugins_under_filterwarnings_error(tmp_path: Path, cap
         "import pytest\n\n\ndef pytest_collection_modifyitems(items):\n"
         "    for item in items:\n        item.add_marker(pytest.mark.no_cover)\n"
     )
-    code = main(["tasks", "mine", str(repo), "--out", str(tmp_path / "mined"), "--limit", "1"])
-    assert code == 0, capsys.readouterr().err
-    (task,) = load_suite(tmp_path / "mined")
+    task, ws = _mine_one(repo, tmp_path, capsys)
     assert "ignore::pytest.PytestUnknownMarkWarning" in task.verify
-    ws = tmp_path / "ws"
-    safe_extract(task.repo_tar, ws)
     assert asyncio.run(_run(task.verify, ws)) != 0
 
 
