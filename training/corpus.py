@@ -814,27 +814,22 @@ async def _baseline(
         else:
             env.notes.append(f"addopts without {' '.join(dropped)}"[:200])
             return base
-    neutral = mining.MineConfig(
-        **{**cfg.__dict__, "pytest_args": (*cfg.pytest_args, *NEUTRAL_ADDOPTS)}
-    )
-    try:
-        base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
-    except TaskError as e:
-        output = getattr(e, "output", "") or str(e)
-        if "PytestUnknownMarkWarning" not in output:
-            raise Skip(_why_no_tests(first, output, env)) from None
-        neutral = mining.MineConfig(
-            **{**neutral.__dict__, "pytest_args": (*neutral.pytest_args, *UNKNOWN_MARKS)}
-        )
+    extra: tuple[str, ...] = ()
+    while True:
+        args = (*cfg.pytest_args, *NEUTRAL_ADDOPTS, *extra)
+        neutral = mining.MineConfig(**{**cfg.__dict__, "pytest_args": args})
         try:
             base = await mining.baseline(scratch, neutral, plugin_dir, spec.name)
+            break
         except TaskError as e:
-            raise Skip(_why_no_tests(first, getattr(e, "output", "") or str(e), env)) from None
-        env.pytest_args += list(NEUTRAL_ADDOPTS) + list(UNKNOWN_MARKS)
-        env.notes.append("addopts neutralised, marks of missing plugins allowed")
-        return base
-    env.pytest_args += list(NEUTRAL_ADDOPTS)
-    env.notes.append("addopts neutralised")
+            output = getattr(e, "output", "") or str(e)
+            if extra or "PytestUnknownMarkWarning" not in output:
+                raise Skip(_why_no_tests(first, output, env)) from None
+            extra = UNKNOWN_MARKS
+    env.pytest_args += [*NEUTRAL_ADDOPTS, *extra]
+    env.notes.append(
+        "addopts neutralised" + (", marks of missing plugins allowed" if extra else "")
+    )
     return base
 
 
