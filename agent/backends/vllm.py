@@ -96,13 +96,24 @@ def _environ(values: dict[str, str | None]) -> Iterator[None]:
         put(saved)
 
 
+def default_dtype(*, cpu: bool = True) -> str:
+    """The engine's dtype unless one is given: bf16, except on a CPU without native bf16
+    (no AVX512-BF16 or AMX, e.g. AVX2 only), where vLLM's bf16 linears fall back to a
+    slow path and fp32 is several times faster (`benchmarks/precision.py`)."""
+    if not cpu:
+        return "bfloat16"
+    from opencomposer.index.embed import cpu_has_bf16
+
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
 class VLLMModel:
     def __init__(
         self,
         path: str | Path,
         *,
         name: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str | None = None,  # None: `default_dtype()`
         context_window: int | None = None,
         kv_cache_gib: float | None = None,
         max_num_seqs: int = 16,
@@ -152,7 +163,7 @@ class VLLMModel:
         return {
             "model": self.path,
             "tokenizer": self.path,
-            "dtype": self.dtype,
+            "dtype": self.dtype or default_dtype(cpu=cpu),
             "max_model_len": self.context_window,
             "max_num_seqs": self.max_num_seqs,
             "kv_cache_memory_bytes": None if kv_gib is None else int(kv_gib * 2**30),

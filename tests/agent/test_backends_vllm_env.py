@@ -78,3 +78,14 @@ def test_environ_restores_values_and_absences(clean_env: pytest.MonkeyPatch) -> 
     with _environ({"OC_TEST_A": None, "OC_TEST_B": "2"}):
         assert "OC_TEST_A" not in os.environ and os.environ["OC_TEST_B"] == "2"
     assert os.environ["OC_TEST_A"] == "1" and "OC_TEST_B" not in os.environ
+
+
+@pytest.mark.parametrize(("native", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_the_engine_loads_bf16_only_where_the_cpu_has_native_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool, dtype: str
+) -> None:
+    from opencomposer.index import embed
+
+    monkeypatch.setattr(embed, "cpu_has_bf16", lambda: native)
+    assert VLLMModel(tmp_path).engine_args()["dtype"] == dtype
+    assert VLLMModel(tmp_path, dtype="bfloat16").engine_args()["dtype"] == "bfloat16"  # asked for

@@ -153,3 +153,17 @@ def test_pruning_keeps_the_newest_and_the_warm_start(tmp_path):
     assert sorted(p.name for p in gone) == ["step_2"]
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_0", "step_4", "step_6", "step_8"]
+
+
+@pytest.mark.parametrize(("native", "computes"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_bf16_computes_in_fp32_on_a_cpu_without_native_bf16(monkeypatch, native, computes):
+    from opencomposer.index import embed
+
+    monkeypatch.setattr(embed, "cpu_has_bf16", lambda: native)
+    tr = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="bf16"))
+    assert tr.compute_dtype == ("bf16" if native else "fp32")
+    with tr._autocast():
+        assert tr.model.lm_head(torch.ones(1, tr.model.config.hidden_size)).dtype == computes
+    assert tr.step(samples())["skipped"] == 0  # and it trains
+    fp32 = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="fp32"))
+    assert fp32.compute_dtype == "fp32"
