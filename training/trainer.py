@@ -10,10 +10,10 @@ and takes an AdamW step.
 Precision: master weights and AdamW state stay fp32; the forward and backward run
 under bf16 autocast (on CPU as on GPU — the same code path; only the device
 differs), except on a CPU without native bf16 (no AVX512-BF16 or AMX, e.g. an
-AVX2-only one): there bf16 matmuls take a slow fallback (a 2000x576x1536 GEMM
-measured 8 GFLOP/s against 47 in fp32 on one AVX2 core, and an SFT step of a
-2,000-token sample over 90 s against 12.7 s), so ``bf16`` computes in fp32
-(``Trainer.compute_dtype`` says which). ``precision = "mxfp8"`` swaps linear layers for the MXFP8 training
+AVX2-only one): there bf16 matmuls take a slow fallback (an SFT step on one
+1,500-token sample with LoRA took 221.8 s against 8.6 s in fp32 on 2 AVX2 cores,
+``benchmarks/precision.py``), so ``bf16`` computes in fp32 (``Trainer.compute_dtype``
+says which). ``precision = "mxfp8"`` swaps linear layers for the MXFP8 training
 kernels of ``opencomposer.kernels.mx`` before the optimizer is built.
 
 Faults: a step whose loss or gradient norm is not finite is skipped — gradients
