@@ -12,12 +12,15 @@ from one run, and prints each figure as a ratio to fp32's:
   `configs/embedded.toml` trains (the forward and backward of the whole model), with the
   compute dtype forced to each;
 - vLLM: the `vllm:` backend on the embedded model, a `--tokens`-token prompt's prefill
-  and a 64-token greedy decode, with `dtype` forced to each (`--skip-vllm` to leave it).
+  and a 64-token greedy decode, one stream and 8 sampled streams at once (the RL
+  sampler's batch), with `dtype` forced to each (`--skip-vllm` to leave it;
+  `--skip-train` leaves the GEMM and the SFT step).
 
 Each figure is the best of `--runs`; the CPU, its bf16 flags and the load average are
 printed beside them (this machine is shared; the ratios hold better than the times).
 
     .venv/bin/python benchmarks/precision.py [--runs 2] [--tokens 1500] [--skip-vllm]
+        [--skip-train]
 """
 
 from __future__ import annotations
@@ -86,6 +89,11 @@ def sft_step(tokens: int, runs: int) -> dict[str, float]:
     return out
 
 
+async def drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
 async def vllm_rates(tokens: int, runs: int) -> dict[str, dict[str, float]]:
     folder = smollm2.smollm2_path(base=True)
     out = {}
@@ -97,7 +105,7 @@ async def vllm_rates(tokens: int, runs: int) -> dict[str, dict[str, float]]:
         )
         long = [Message(role="user", content=prompt)]
         ask = [Message(role="user", content="List twenty fruits, one per line.")]
-        rates = {"prefill": float("inf"), "decode": float("inf")}
+        rates = {"prefill": float("inf"), "decode": float("inf"), "batch": float("inf")}
         try:
             for i in range(runs + 1):
                 start = time.perf_counter()
@@ -113,6 +121,15 @@ async def vllm_rates(tokens: int, runs: int) -> dict[str, dict[str, float]]:
                 n = stream.output.completion_tokens
                 if i and n > 1:
                     rates["decode"] = min(rates["decode"], (times[-1] - times[0]) / (n - 1))
+                streams = [
+                    model.stream(ask, Sampling(temperature=0.7, max_tokens=64, seed=k))
+                    for k in range(8)
+                ]
+                start = time.perf_counter()
+                await asyncio.gather(*(drain(s) for s in streams))
+                made = sum(s.output.completion_tokens for s in streams)
+                if i and made:
+                    rates["batch"] = min(rates["batch"], (time.perf_counter() - start) / made)
         finally:
             await model.close()
         out[name] = rates
@@ -128,6 +145,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-train", action="store_true")
     a = ap.parse_args()
     print(machine())
     chosen_train = compute_dtype("bf16", torch.device("cpu"))
@@ -137,11 +155,14 @@ def main() -> None:
     )
     print("\n| figure | fp32 | bf16 | bf16 / fp32 (time) |\n|---|---|---|---|")
     cores = len(os.sched_getaffinity(0))
-    for threads in sorted({1, cores}):
-        g = gemm(threads, max(3, a.runs))
-        print(row(f"GEMM 2000x576x1536, {threads} thread(s)", g["fp32"], g["bf16"]), flush=True)
-    s = sft_step(a.tokens, a.runs)
-    print(row(f"SFT step, one {a.tokens}-token sample (LoRA)", s["fp32"], s["bf16"]), flush=True)
+    if not a.skip_train:
+        for threads in sorted({1, cores}):
+            g = gemm(threads, max(3, a.runs))
+            label = f"GEMM 2000x576x1536, {threads} thread(s)"
+            print(row(label, g["fp32"], g["bf16"]), flush=True)
+        s = sft_step(a.tokens, a.runs)
+        label = f"SFT step, one {a.tokens}-token sample (LoRA)"
+        print(row(label, s["fp32"], s["bf16"]), flush=True)
     if not a.skip_vllm:
         v = asyncio.run(vllm_rates(a.tokens, a.runs))
         print(
@@ -150,6 +171,7 @@ def main() -> None:
             )
         )
         print(row("vLLM decode, per token", v["fp32"]["decode"], v["bf16"]["decode"]))
+        print(row("vLLM, 8 streams, per token", v["fp32"]["batch"], v["bf16"]["batch"]))
 
 
 if __name__ == "__main__":

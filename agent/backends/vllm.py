@@ -99,8 +99,9 @@ def _environ(values: dict[str, str | None]) -> Iterator[None]:
 def default_dtype(*, cpu: bool = True) -> str:
     """The engine's dtype unless one is given: bf16, except on a CPU without native bf16
     (no AVX512-BF16 or AMX, e.g. AVX2 only), where vLLM's bf16 linears fall back to a
-    slow path: a 1,500-token prefill took 3.6x as long in bf16 there, while one stream's
-    decode, bound by memory, was 11 % faster in bf16 (`benchmarks/precision.py`)."""
+    slow path: a 1,500-token prefill took 3.6x as long in bf16 there, and 8 streams'
+    decode 2.4x, while one stream's decode, bound by memory, was 11-19 % faster in bf16
+    (`benchmarks/precision.py`)."""
     if not cpu:
         return "bfloat16"
     from opencomposer.index.embed import cpu_has_bf16
