@@ -7,8 +7,8 @@ list, and the stop tokens are the model's own), on:
   Q8_0 GGUF the product converts (the same weights), its own sampler;
 - `product`: `make_model("smollm2")` as `ask`, `serve` and the TUI get it (llama.cpp
   in-process, our sampler, exact logprobs, our stream), speculation off and on;
-- `vllm`: the vLLM-CPU backend (bf16), one stream and 8 at once (the RL sampler's
-  batched rate), and vLLM's own offline `LLM.generate` on the same 8 sampled streams
+- `vllm`: the vLLM-CPU backend (bf16; fp32 on a CPU without native bf16), one stream
+  and 8 at once (the RL sampler's batched rate), and vLLM's own offline `LLM.generate` on the same 8 sampled streams
   with the backend's engine arguments and environment (in a child process), the bare
   batched rate, and once more with vLLM's default threads (`VLLMModel.engine_env`);
 - `hf`: transformers (bf16), one stream.

@@ -38,15 +38,18 @@ import torch
 from opencomposer.agent.backends import smollm2
 from opencomposer.agent.backends.vllm import VLLMModel, default_dtype
 from opencomposer.agent.protocols import Message, Sampling
-from opencomposer.index.embed import _cpu_flags, cpu_has_bf16
+from opencomposer.index.embed import cpu_has_bf16
 from opencomposer.training.rollouts import Sample
 from opencomposer.training.trainer import Trainer, TrainerConfig, compute_dtype
 
 
 def machine() -> str:
-    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    info = Path("/proc/cpuinfo").read_text()
+    found = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
     cpu = found.group(1).strip() if found else "unknown CPU"
-    flags = sorted(f for f in _cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    listed = re.search(r"^flags\s*:(.*)$", info, re.M)
+    shown = {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    flags = sorted(shown & set(listed.group(1).split() if listed else ()))
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"{cpu}, {os.cpu_count()} cores, flags {' '.join(flags) or 'none'}; load {load}"
 
