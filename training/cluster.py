@@ -768,7 +768,8 @@ class RemoteTrainer:
         merged.pop("version", None)
         return merged
 
-    def named_weights(self) -> RemoteWeights:
+    def named_weights(self, dtype: Any = None) -> RemoteWeights:
+        """Rank 0 sends the replicas a bf16 delta whatever ``dtype`` asks."""
         return RemoteWeights()
 
     def save(self, folder: Path, *, extra: dict[str, Any] | None = None) -> Path:

@@ -274,7 +274,7 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
                 seed=cfg.run.seed + round_,
             )
         t2 = time.perf_counter()
-        res = await sync.push(run.trainer.named_weights(), run.trainer.version)
+        res = await sync.push(run.trainer.named_weights(sync.dtype), run.trainer.version)
         m: dict[str, Any] = {
             "step": 0,
             "phase": f"warmup{round_}",
@@ -324,14 +324,14 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
         start_step, cursor = int(extra.get("step", 0)), int(extra.get("task_cursor", 0))
         warmed = bool(extra.get("warmed", start_step > 0))
         log.truncate_after(start_step)
-        await sync.push(run.trainer.named_weights(), run.trainer.version)
+        await sync.push(run.trainer.named_weights(sync.dtype), run.trainer.version)
         print(
             f"resumed from {ckpt} (step {start_step}, weight version {run.trainer.version})",
             flush=True,
         )
     elif cfg.sft.init:  # a fresh run continues an earlier stage's checkpoint
         load_init(run)
-        await sync.push(run.trainer.named_weights(), run.trainer.version)
+        await sync.push(run.trainer.named_weights(sync.dtype), run.trainer.version)
         print(f"started from {cfg.sft.init} ([sft] init)", flush=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     tasks = _Counter(task_cycle(run.tasks, seed=cfg.run.seed, skip=cursor), cursor)
@@ -388,7 +388,9 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
             t2 = time.perf_counter()
             sync_s = 0.0
             if not train.get("skipped"):
-                sync_s = (await sync.push(run.trainer.named_weights(), run.trainer.version)).seconds
+                sync_s = (
+                    await sync.push(run.trainer.named_weights(sync.dtype), run.trainer.version)
+                ).seconds
             extra: dict[str, Any] = {
                 "groups_dropped_stale": scheduler.dropped_stale,
                 "aborted_turns": getattr(run.sampler, "aborted_turns", 0),

@@ -7,7 +7,9 @@ staleness per turn and detect a sampler that lags.
 Transports:
 
 - **CPU, in-process** (this machine): the trainer and the vLLM engine live in one
-  process; ``WeightSync.push`` hands the trainer's named tensors (bf16) to the
+  process; ``WeightSync.push`` hands the trainer's named tensors, cast to the
+  dtype the sampler holds (``WeightSync.dtype``: fp32 for an fp32 engine, so a small
+  update is not rounded away on the way, else bf16), to the
   backend's ``reload_weights(weights, version)`` — vLLM 0.32's
   ``model_runner.reload_weights`` through ``LLM.collective_rpc``; for the
   ``transformers`` fallback or tests, ``ModuleReceiver`` copies into a module.
@@ -53,7 +55,9 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightReceiver(Protocol):
-    """``VLLMModel`` is one (its ``reload_weights`` is a coroutine); so is ``ModuleReceiver``."""
+    """``VLLMModel`` is one (its ``reload_weights`` is a coroutine); so is ``ModuleReceiver``.
+    A receiver may also say which dtype it holds its weights in (``weight_dtype``, a
+    torch dtype or its name); ``WeightSync.dtype`` reads it."""
 
     weight_version: int
 
@@ -83,6 +87,11 @@ class ModuleReceiver:
         m = self._module
         return m if isinstance(m, torch.nn.Module) else m()
 
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        first = next(self.module.parameters(), None)
+        return None if first is None else first.dtype
+
     def reload_weights(self, weights: Weights, version: int) -> None:
         state = self.module.state_dict()
         with torch.no_grad():
@@ -109,6 +118,14 @@ class WeightSync:
         self.max_lag = max_lag
         self.transport = transport  # e.g. NcclTransport on a GPU
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype to send weights in: the receiver's own, else bf16. Sending fp32
+        weights to an fp32 sampler as bf16 would round an update smaller than bf16's
+        step (about 0.4 % of a weight) away, so the sampler would not run the policy
+        that was trained."""
+        return torch_dtype(getattr(self.receiver, "weight_dtype", None)) or torch.bfloat16
+
     async def push(self, weights: Weights, version: int) -> SyncResult:
         t0 = time.perf_counter()
         if self.transport is not None:
@@ -119,6 +136,26 @@ class WeightSync:
         landed = int(getattr(self.receiver, "weight_version", version) or 0)
         lag = check_lag(landed, version, max_lag=self.max_lag)
         return SyncResult(version=version, seconds=seconds, lag=lag)
+
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def torch_dtype(value: Any) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name (vLLM's ``dtype`` argument); None for
+    anything else (``"auto"``, None)."""
+    if isinstance(value, torch.dtype):
+        return value
+    return _DTYPE_NAMES.get(value) if isinstance(value, str) else None
 
 
 def check_lag(sampler_version: int | None, trainer_version: int, *, max_lag: int) -> int:
@@ -163,6 +200,10 @@ class VersionedModel:
     @property
     def weight_version(self) -> int:
         return self.version
+
+    @property
+    def weight_dtype(self) -> Any:
+        return getattr(self.receiver, "weight_dtype", None)
 
     async def reload_weights(self, weights: Weights, version: int) -> None:
         """The receiver side of ``WeightSync``: pause, reload, abort stale turns, resume."""

@@ -154,6 +154,14 @@ class VLLMModel:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise ModelError(f"vLLM could not start {self.path}: {first}") from e
 
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype the engine holds its weights in (`training/weight_sync.py` sends
+        new weights in it)."""
+        from vllm.platforms import current_platform
+
+        return self.dtype or default_dtype(cpu=current_platform.is_cpu())
+
     def engine_args(self) -> dict[str, Any]:
         """vLLM's engine arguments for this model (also what `benchmarks/model.py` gives
         vLLM's offline `LLM` to measure the bare engine)."""
@@ -165,7 +173,7 @@ class VLLMModel:
         return {
             "model": self.path,
             "tokenizer": self.path,
-            "dtype": self.dtype or default_dtype(cpu=cpu),
+            "dtype": self.weight_dtype,
             "max_model_len": self.context_window,
             "max_num_seqs": self.max_num_seqs,
             "kv_cache_memory_bytes": None if kv_gib is None else int(kv_gib * 2**30),

@@ -89,3 +89,4 @@ def test_the_engine_loads_bf16_only_where_the_cpu_has_native_bf16(
     monkeypatch.setattr(embed, "cpu_has_bf16", lambda: native)
     assert VLLMModel(tmp_path).engine_args()["dtype"] == dtype
     assert VLLMModel(tmp_path, dtype="bfloat16").engine_args()["dtype"] == "bfloat16"  # asked for
+    assert VLLMModel(tmp_path).weight_dtype == dtype  # what weight sync sends it

@@ -13,6 +13,7 @@ from opencomposer.training.weight_sync import (
     VersionedModel,
     WeightSync,
     check_lag,
+    torch_dtype,
 )
 
 
@@ -60,6 +61,23 @@ async def test_push_copies_weights_and_version():
     res = await WeightSync(rx).push(src.state_dict().items(), 7)
     assert rx.weight_version == 7 and res.lag == 0 and res.seconds >= 0
     assert torch.equal(dst.weight, src.weight)
+
+
+async def test_weights_go_out_in_the_dtype_the_sampler_holds():
+    fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert WeightSync(ModuleReceiver(fp32)).dtype == torch.float32
+    assert WeightSync(VersionedModel(SlowTokenModel(n=1), ModuleReceiver(bf16))).dtype == (
+        torch.bfloat16
+    )
+    assert WeightSync(IgnoringReceiver()).dtype == torch.bfloat16  # says nothing: bf16
+    assert torch_dtype("float32") == torch.float32 and torch_dtype("auto") is None
+    # an update below bf16's step reaches an fp32 sampler whole
+    src = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        src.weight.fill_(1.0 + 2**-12)
+    sync = WeightSync(ModuleReceiver(fp32))
+    await sync.push(((k, v.to(sync.dtype)) for k, v in src.state_dict().items()), 1)
+    assert torch.equal(fp32.weight, src.weight)
 
 
 async def test_lagging_sampler_is_detected():
