@@ -89,7 +89,9 @@ class ModuleReceiver:
 
     @property
     def weight_dtype(self) -> torch.dtype | None:
-        first = next(self.module.parameters(), None)
+        """The dtype of the module's first parameter; None while it is not loaded."""
+        module = self.module
+        first = next(module.parameters(), None) if module is not None else None
         return None if first is None else first.dtype
 
     def reload_weights(self, weights: Weights, version: int) -> None:

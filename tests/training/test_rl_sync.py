@@ -70,6 +70,7 @@ async def test_weights_go_out_in_the_dtype_the_sampler_holds():
         torch.bfloat16
     )
     assert WeightSync(IgnoringReceiver()).dtype == torch.bfloat16  # says nothing: bf16
+    assert WeightSync(ModuleReceiver(lambda: None)).dtype == torch.bfloat16  # not loaded yet
     assert torch_dtype("float32") == torch.float32 and torch_dtype("auto") is None
     # an update below bf16's step reaches an fp32 sampler whole
     src = torch.nn.Linear(2, 2)
