@@ -15,8 +15,8 @@ of the bf16 folder as llama.cpp runs it; the base in bf16 and Q8_0 beside them):
 - the adapter's update as it lands, against the base in the same precision, over the
   adapted matrices: `|merged - base| / |B A scale|`, and how far it is from the trained
   update, `|(merged - base) - B A scale| / |B A scale|` (0: all of it arrives);
-- the mean negative log-likelihood of recorded demonstrations' answers (each session's
-  last turn: prompt and completion token ids from the trace store), and the share of
+- the mean negative log-likelihood of the trained tokens of accepted sessions of a
+  trace store (the demonstrations, tokenized and masked as SFT does), and the share of
   the fp32 adapter's NLL gain over the base that each precision keeps.
 
 Everything computes in fp32 on the CPU; only the weights' values differ.
@@ -25,8 +25,6 @@ Everything computes in fp32 on the CPU; only the weights' values differ.
 from __future__ import annotations
 
 import argparse
-import json
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -59,32 +57,31 @@ def q8_0(t):  # noqa: ANN001, ANN201 - torch tensors
     return torch.from_numpy(dequantize(q, GGMLQuantizationType.Q8_0).reshape(a.shape).copy())
 
 
-def demonstrations(db: Path, n: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) of the last turn of `n` recorded sessions."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    rows = con.execute(
-        "SELECT t.prompt_token_ids, t.completion_token_ids FROM turns t "
-        "JOIN (SELECT session_id, MAX(turn) AS last FROM turns GROUP BY session_id) m "
-        "ON t.session_id = m.session_id AND t.turn = m.last "
-        "WHERE t.prompt_token_ids IS NOT NULL ORDER BY t.session_id"
-    ).fetchall()
-    out = [(json.loads(p), json.loads(c)) for p, c in rows if p and c]
-    step = max(1, len(out) // n)
-    return out[::step][:n]
+def demonstrations(db: Path, folder: Path, n: int) -> list[tuple[list[int], list[float]]]:
+    """(token ids, loss mask) of `n` accepted sessions of the trace store, spread over
+    it, tokenized as SFT tokenizes them (`training/sft.py`)."""
+    from opencomposer.training.sft import TraceTokenizer, load_accepted_traces, samples_from_traces
+
+    traces = load_accepted_traces(db=db)
+    traces = traces[:: max(1, len(traces) // n)][:n]
+    data = samples_from_traces(traces, tokenizer=TraceTokenizer(folder))
+    return [(list(s.input_ids), list(s.mask)) for s in data.samples]
 
 
 def mean_nll(model, samples) -> float:  # noqa: ANN001
+    """Mean negative log-likelihood of the trained tokens (mask 1: the answers)."""
     import torch
 
-    total, count = 0.0, 0
+    total, count = 0.0, 0.0
     with torch.inference_mode():
-        for prompt, completion in samples:
-            ids = torch.tensor([prompt + completion])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])
-            total -= float(lp.sum())
-            count += len(completion)
-    return total / max(count, 1)
+        for ids, mask in samples:
+            x = torch.tensor([ids])
+            lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+            lp = lp.gather(-1, x[0, 1:, None])[:, 0]
+            m = torch.tensor(mask[1:], dtype=torch.float32)
+            total -= float((lp * m).sum())
+            count += float(m.sum())
+    return total / max(count, 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    samples = demonstrations(a.db, a.sessions)
-    if not samples:
-        print(f"error: no recorded turns with token ids in {a.db}", file=sys.stderr)
-        return 2
     base_dir = smollm2_path(base=True)
+    samples = demonstrations(a.db, base_dir, a.sessions)
+    if not samples:
+        print(f"error: no accepted sessions in {a.db}", file=sys.stderr)
+        return 2
     base = {}
     for f in sorted(base_dir.glob("*.safetensors")):
         base.update(load_file(str(f)))  # bf16, as the embedded folder holds it
@@ -136,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     config = AutoConfig.from_pretrained(base_dir)
     config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config).float().eval()
-    tokens = sum(len(c) for _, c in samples)
+    tokens = int(sum(sum(m[1:]) for _, m in samples))
     print(f"{a.checkpoint}: rank {meta['rank']}, {len(layers)} adapted matrices")
-    print(f"{len(samples)} demonstrations' last turns, {tokens} answer tokens; {cpu_line()}")
+    print(f"{len(samples)} demonstrations, {tokens} trained tokens; {cpu_line()}")
     print()
     print("| weights | update landed | update lost | answer NLL | share of fp32 gain |")
     print("|---|---|---|---|---|")
