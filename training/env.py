@@ -760,6 +760,13 @@ class EnvironmentServer:
             status = None
             try:
                 result = await asyncio.wait_for(asyncio.shield(run), timeout=task.timeout_s)
+            except asyncio.CancelledError:
+                # The episode itself is cancelled (a training run stops with groups in
+                # flight): stop the shielded session too and let it end now, while its
+                # trace store is still open, instead of leaving it to the loop's exit.
+                session.cancel()
+                await asyncio.wait([run], timeout=30)
+                raise
             except TimeoutError:
                 session.cancel("timeout")
                 try:

@@ -206,6 +206,25 @@ async def test_episode_time_limit(server, tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 15
 
 
+async def test_cancelled_episode_ends_its_session_before_returning(server, tmp_path: Path) -> None:
+    from opencomposer.agent.traces import TraceStore
+
+    store = TraceStore(tmp_path / "traces.db")
+    slow = _model(tmp_path, "x" * 10_000, rate=100)
+    episode = asyncio.ensure_future(
+        server.run_episode(_task(tmp_path), model_spec_or_factory=slow, traces=store)
+    )
+    await asyncio.sleep(3)  # mid-turn
+    episode.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    sessions = store.list_sessions()
+    store.close()  # as a training run does next: nothing may write to it later
+    assert len(sessions) == 1 and sessions[0]["ended"] and sessions[0]["status"] == "cancelled"
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not [t for t in others if not t.done()]  # no session left running
+
+
 async def test_eight_concurrent_episodes(server, tmp_path: Path) -> None:
     task = _task(tmp_path)
     model = _model(tmp_path, _terminal("python test_calc.py; sleep 0.5"), FIX, "done", rate=2000)
