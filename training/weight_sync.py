@@ -122,10 +122,11 @@ class WeightSync:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype to send weights in: the receiver's own, else bf16. Sending fp32
-        weights to an fp32 sampler as bf16 would round an update smaller than bf16's
-        step (about 0.4 % of a weight) away, so the sampler would not run the policy
-        that was trained."""
+        """The dtype to send weights in: the receiver's own, else bf16. Sent as bf16,
+        an fp32 sampler would run a rounding of the trained weights (an update smaller
+        than half of bf16's step, ~0.2 % of a weight, would not reach it until later
+        steps added to it), and the logprobs it samples with, the importance ratio's
+        denominator, would not be the trained policy's."""
         return torch_dtype(getattr(self.receiver, "weight_dtype", None)) or torch.bfloat16
 
     async def push(self, weights: Weights, version: int) -> SyncResult:
