@@ -30,17 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_line() -> str:
-    name, flags = "unknown CPU", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and name == "unknown CPU":
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{name} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
+sys.path.insert(0, str(Path(__file__).parent))
+from precision import machine  # noqa: E402  (CPU, cores, the bf16-relevant flags, load)
 
 
 def q8_0(t):  # noqa: ANN001, ANN201 - torch tensors
@@ -135,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_config(config).float().eval()
     tokens = int(sum(sum(m[1:]) for _, m in samples))
     print(f"{a.checkpoint}: rank {meta['rank']}, {len(layers)} adapted matrices")
-    print(f"{len(samples)} demonstrations, {tokens} trained tokens; {cpu_line()}")
+    print(f"{len(samples)} demonstrations, {tokens} trained tokens; {machine()}")
     print()
-    print("| weights | update landed | update lost | answer NLL | share of fp32 gain |")
+    print("| weights | update landed | update lost | NLL of trained tokens | share of fp32 gain |")
     print("|---|---|---|---|---|")
     nll: dict[str, float] = {}
     dn = sum(float(d.norm() ** 2) for d in delta.values()) ** 0.5
