@@ -141,24 +141,11 @@ class WeightSync:
         return SyncResult(version=version, seconds=seconds, lag=lag)
 
 
-_DTYPE_NAMES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
-
-
 def torch_dtype(value: Any) -> torch.dtype | None:
-    """A torch dtype from a dtype or its name (vLLM's ``dtype`` argument); None for
-    anything else (``"auto"``, None)."""
-    if isinstance(value, torch.dtype):
-        return value
-    return _DTYPE_NAMES.get(value) if isinstance(value, str) else None
+    """A torch dtype from a dtype or its name (vLLM's ``dtype`` argument: "bfloat16",
+    "float32", "half", …); None for anything else (``"auto"``, None)."""
+    found = getattr(torch, value, None) if isinstance(value, str) else value
+    return found if isinstance(found, torch.dtype) else None
 
 
 def check_lag(sampler_version: int | None, trainer_version: int, *, max_lag: int) -> int:
