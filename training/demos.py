@@ -656,6 +656,7 @@ async def record_demos(
                 sid,
                 source="demo",
                 task_id=task.id,
+                request=request_key(task),
                 accepted=ok,
                 reward=res.reward,
                 **extra,
@@ -698,13 +699,23 @@ def demo_metas(store: Any) -> list[dict[str, Any]]:
     return [m for m in metas if m.get("source") == "demo"]
 
 
+def request_key(task: Any) -> str:
+    """What tells a task's demonstrations apart besides its id: its request. A corpus
+    exported once per request kind (`opencomposer tasks export --query test|issue|oneline`)
+    gives the same bug three tasks with one id; each is a demonstration of its own."""
+    return hashlib.sha1(str(task.query).encode()).hexdigest()[:16]
+
+
 def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: int) -> list[Any]:
     """The tasks to demonstrate next so that ``store`` holds up to ``limit``
-    demonstrations in prompt ``style``: those not recorded there yet, taken round-robin
-    over their projects (a store filled in several sittings tops up, never repeats)."""
-    done = {m.get("task_id") for m in demo_metas(store) if m.get("prompt_style") == style}
+    demonstrations in prompt ``style``: those not recorded there yet (a task is its id
+    and its request), taken round-robin over their projects (a store filled in several
+    sittings tops up, never repeats). A demonstration recorded before requests were
+    kept in ``meta`` stands for every request of its task."""
+    metas = [m for m in demo_metas(store) if m.get("prompt_style") == style]
+    done = {(m.get("task_id"), m.get("request")) for m in metas}
     want = max(0, limit - len(done))
-    todo = [t for t in tasks if t.id not in done]
+    todo = [t for t in tasks if not {(t.id, request_key(t)), (t.id, None)} & done]
     out: list[Any] = []
     for t in spread(todo, len(todo), seed):
         if len(out) >= want:

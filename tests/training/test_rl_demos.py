@@ -12,6 +12,7 @@ recorded messages), with the loss on the assistant's tokens only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -194,6 +195,10 @@ def test_demos_through_the_real_session_become_assistant_only_samples(suite, tok
     assert len(todo) == 2 and not {t.id for t in todo} & {t.id for t in tasks}
     assert pending(store, tasks, style="compact", limit=3, seed=0) == []
     assert len(pending(store, tasks, style="full", limit=3, seed=0)) == 3  # another style
+    # the same task under another request (an export per request kind) is a new one
+    asked = dataclasses.replace(tasks[0], query=tasks[0].query + "\nPlease fix it.")
+    assert pending(store, [asked], style="compact", limit=4, seed=0) == [asked]
+    assert pending(store, [asked], style="compact", limit=3, seed=0) == []  # at its limit
     store.close()
     for tr in traces:
         assert accepted(tr) and tr["meta"]["source"] == "demo"
