@@ -24,7 +24,10 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
     deterministically by `training/starter.py` into the cache; `own`, mined from this
     repository by `training/mining.py` into the cache on first use; `corpus` (also
     `corpus:train`, `corpus:heldout`), the built task corpus (`training/corpus.py`,
-    ``$OPENCOMPOSER_CORPUS``), exported into the cache once per build; the folders under
+    ``$OPENCOMPOSER_CORPUS``), exported into the cache once per build, each task with
+    one request of a kind picked per task; `corpus:SPLIT:KIND` gives every task the
+    request of one kind (test, issue, oneline), `corpus:SPLIT:all` every task once per
+    kind (the same id up to three times: demonstrations keep them apart); the folders under
     `training/suites/` (e.g. `pypi`, tasks mined from PyPI libraries). Anything else is
     a folder of task folders (or one task folder).
     """
@@ -35,7 +38,9 @@ def load_suite(name_or_dir: str | Path) -> list[Task]:
     elif base == "own" and not Path(name).exists():
         tasks = [load_task(p) for p in mining.ensure_own_suite()]
     elif base == "corpus" and not Path(name).exists():
-        tasks = [load_task(p) for p in corpus.ensure_export()]
+        split, _, query = split.partition(":")
+        kinds = corpus.QUERY_KINDS if query == "all" else (query or "mixed",)
+        tasks = [load_task(p) for kind in kinds for p in corpus.ensure_export(query=kind)]
     else:
         d = Path(name_or_dir)
         builtin = SUITES / name

@@ -109,6 +109,12 @@ class SftSection:
     lr: float = 1e-5
     micro_batch_size: int = 4
     max_examples: int = 512
+    # "demos": the suite demonstrated ("": the run's training tasks), e.g.
+    # "corpus:train:all", every training task once per request kind.
+    demo_suite: str = ""
+    # SFT steps between mid-round checkpoints (``<run>/checkpoints/sft_resume``), from
+    # which an interrupted warm start or ``--sft`` resumes; 0: none.
+    checkpoint_every: int = 10
     # ``--sft``: continue from this checkpoint (a ``step_N`` folder of an earlier run):
     # its weights (a LoRA run: its adapters) and optimizer state, e.g. one more epoch.
     init: str = ""
@@ -210,6 +216,8 @@ def parse_config(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("run.steps must be >= 0 and optim.micro_batch_size >= 1")
     if cfg.run.keep_checkpoints < 0:
         raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
+    if cfg.sft.checkpoint_every < 0:
+        raise ConfigError("sft.checkpoint_every must be >= 0 (0: no mid-round checkpoints)")
     if cfg.cluster is not None:
         _check_cluster(cfg)
     return cfg

@@ -1629,9 +1629,12 @@ def default_corpus() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "opencomposer" / "corpus"
 
 
-def ensure_export(corpus: Path | str | None = None) -> list[Path]:
-    """The built corpus as plain task folders (every split, mixed requests), exported
-    once into the cache under a name that changes whenever a project is rebuilt."""
+def ensure_export(corpus: Path | str | None = None, *, query: str = "mixed") -> list[Path]:
+    """The built corpus as plain task folders (every split; requests of kind ``query``,
+    as `export`), exported once into the cache under a name that changes whenever a
+    project is rebuilt."""
+    if query != "mixed" and query not in QUERY_KINDS:
+        raise CorpusError(f"unknown query kind {query!r}: use mixed, {', '.join(QUERY_KINDS)}")
     src = Path(corpus).expanduser() if corpus else default_corpus()
     projects = src / "projects"
     if not projects.is_dir():
@@ -1640,6 +1643,8 @@ def ensure_export(corpus: Path | str | None = None) -> list[Path]:
             "(or set OPENCOMPOSER_CORPUS)"
         )
     h = hashlib.sha256(f"{src.resolve()}:{EXPORT_VERSION}".encode())
+    if query != "mixed":  # the mixed export keeps the name it always had
+        h.update(f":{query}".encode())
     for d in sorted(p for p in projects.iterdir() if p.is_dir()):
         rec = _read_record(d)
         if rec and rec.get("status") == "built":
@@ -1650,7 +1655,7 @@ def ensure_export(corpus: Path | str | None = None) -> list[Path]:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
         try:
-            export(src, tmp)
+            export(src, tmp, query=query)
             (tmp / ".complete").write_text(str(src))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

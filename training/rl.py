@@ -39,6 +39,7 @@ import inspect
 import itertools
 import json
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -63,8 +64,10 @@ from opencomposer.training.rollouts import (
 )
 from opencomposer.training.sessions import resolve_prompt_style, session_config
 from opencomposer.training.sft import (
+    SftCheckpoints,
     collect_rejection_samples,
     fit,
+    fit_steps,
     load_init,
     run_sft,
     trace_samples,
@@ -264,6 +267,22 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
         chosen = chosen[: cfg.sft.max_examples]
         stats = []
         if chosen:
+            settings = {
+                "epochs": cfg.sft.epochs,
+                "lr": cfg.sft.lr,
+                "batch": cfg.sft.micro_batch_size,
+            }
+            ckpts = SftCheckpoints(
+                run.trainer,
+                run.out,
+                every=cfg.sft.checkpoint_every,
+                round_=round_,
+                samples=chosen,
+                **settings,
+            )
+            start = await run.trainer.run(ckpts.resume)
+            if start:
+                progress.note(f"warm start {round_}: resumed after step {start}")
             stats = await run.trainer.run(
                 fit,
                 run.trainer,
@@ -272,7 +291,11 @@ async def warm_start(run: Run, log: MetricsLog, sync: WeightSync, progress: Prog
                 lr=cfg.sft.lr,
                 batch=cfg.sft.micro_batch_size,
                 seed=cfg.run.seed + round_,
+                start=start,
+                on_step=ckpts,
             )
+            total = fit_steps(len(chosen), epochs=cfg.sft.epochs, batch=cfg.sft.micro_batch_size)
+            await run.trainer.run(ckpts.save, total)  # a crash before the next round resumes here
         t2 = time.perf_counter()
         res = await sync.push(run.trainer.named_weights(sync.dtype), run.trainer.version)
         m: dict[str, Any] = {
@@ -379,6 +402,7 @@ async def run_loop(run: Run, *, max_steps: int | None = None) -> Path:
             if cfg.sft.warmup_rounds > 0:
                 await warm_start(run, log, sync, progress)
                 run.trainer.save(out / "checkpoints" / "step_0", extra={"step": 0, "warmed": True})
+                shutil.rmtree(out / "checkpoints" / SftCheckpoints.FOLDER, ignore_errors=True)
         for step in range(start_step + 1, steps + 1):
             t0 = time.perf_counter()
             groups: list[Group] = await scheduler.next_groups()

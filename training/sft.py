@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,17 +171,25 @@ def demo_style(run: Any) -> str:
 
 
 async def ensure_demos(run: Any, db: Path) -> Any:
-    """Record demonstrations of the run's training tasks into ``db`` (the ones not
-    recorded there yet in this prompt style), on the run's environment server."""
+    """Record demonstrations of the run's training tasks (or of ``[sft] demo_suite``)
+    into ``db`` (the ones not recorded there yet in this prompt style), on the run's
+    environment server."""
     from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.catalog import load_suite
     from opencomposer.training.config import ConfigError
+    from opencomposer.training.tasks import TaskError
 
     style = demo_style(run)
+    suite = run.config.sft.demo_suite
+    try:
+        tasks = load_suite(suite) if suite else run.tasks
+    except TaskError as e:
+        raise ConfigError(f"[sft] demo_suite: {e}") from None
     store = TraceStore(db)
     try:
         todo = pending(
             store,
-            run.tasks,
+            tasks,
             style=style,
             limit=run.config.sft.max_examples,
             seed=run.config.run.seed,
@@ -259,20 +267,110 @@ def fit(
     batch: int,
     seed: int,
     max_steps: int | None = None,
+    start: int = 0,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """``epochs`` passes of supervised steps over ``samples`` (shuffled, ``batch`` per step)."""
+    """``epochs`` passes of supervised steps over ``samples`` (shuffled, ``batch`` per step).
+
+    ``start``: the steps an interrupted run of the same fit already took; the order is
+    the seed's, so they are skipped, not redone. ``on_step(n, stats)`` follows each
+    step, ``n`` counting from the fit's first. Returns the stats of the steps taken."""
     import random
 
     rng = random.Random(seed)
     stats: list[dict[str, float]] = []
+    n = 0
     for _ in range(epochs):
         order = list(samples)
         rng.shuffle(order)
         for i in range(0, len(order), batch):
-            if max_steps is not None and len(stats) >= max_steps:
+            if max_steps is not None and n >= max_steps:
                 return stats
-            stats.append(trainer.sft_step(order[i : i + batch], lr=lr))
+            n += 1
+            if n <= start:
+                continue
+            st = trainer.sft_step(order[i : i + batch], lr=lr)
+            stats.append(st)
+            if on_step is not None:
+                on_step(n, st)
     return stats
+
+
+def fit_steps(samples: int, *, epochs: int, batch: int, max_steps: int | None = None) -> int:
+    """How many steps `fit` takes over ``samples`` samples in all."""
+    n = epochs * -(-samples // max(1, batch))
+    return n if max_steps is None else min(n, max_steps)
+
+
+class SftCheckpoints:
+    """Mid-round checkpoints of one supervised round, so that an interrupted warm start
+    or ``--sft`` resumes where it stopped instead of from its first step.
+
+    Every ``every`` steps (and at the round's end) the trainer's state (adapters or
+    weights, optimizer, step) goes to ``<run>/checkpoints/sft_resume``, replacing the
+    previous one, with a fingerprint of the round: its number, settings and samples.
+    `resume` restores it only for the same round on the same samples."""
+
+    FOLDER = "sft_resume"
+
+    def __init__(
+        self,
+        trainer: Any,
+        out: Path,
+        *,
+        every: int,
+        round_: int,
+        samples: Sequence[Sample],
+        **settings: Any,
+    ) -> None:
+        import hashlib
+
+        h = hashlib.sha1()
+        for s in samples:
+            h.update(json.dumps([s.input_ids, s.mask]).encode())
+        self.trainer = trainer
+        self.folder = out / "checkpoints" / self.FOLDER
+        self.every = every
+        self.key = {"round": round_, "samples": h.hexdigest()[:16], **settings}
+
+    def resume(self) -> int:
+        """The steps already taken (0: none); restores the trainer to just after them."""
+        from opencomposer.training.trainer import STATE_FILE
+
+        if not (self.folder / STATE_FILE).is_file():
+            return 0
+        import torch
+
+        state = torch.load(self.folder / STATE_FILE, map_location="cpu", weights_only=False)
+        extra = state.get("extra") or {}
+        if extra.get("sft_round") != self.key:
+            return 0
+        self.trainer.load(self.folder)
+        return int(extra.get("sft_step", 0))
+
+    def __call__(self, n: int, stats: dict[str, float]) -> None:
+        if self.every > 0 and n % self.every == 0:
+            self.save(n)
+
+    def save(self, n: int) -> None:
+        """Write the state after step ``n``; the previous one is replaced only once
+        the new one is complete."""
+        import shutil
+
+        tmp = self.folder.with_name(self.folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.trainer.save(tmp, extra={"phase": "sft", "sft_round": self.key, "sft_step": n})
+        old = self.folder.with_name(self.folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.folder.exists():
+            self.folder.rename(old)
+        tmp.rename(self.folder)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def clear(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def load_init(run: Any) -> None:
@@ -318,8 +416,41 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
             )
     samples = data.samples[: cfg.max_examples]
     rollout_s = time.perf_counter() - t0
-    load_init(run)
-    stats = fit(
+    settings = {"epochs": cfg.epochs, "lr": cfg.lr, "batch": cfg.micro_batch_size}
+    ckpts = SftCheckpoints(
+        run.trainer, out, every=cfg.checkpoint_every, round_=1, samples=samples, **settings
+    )
+    start = ckpts.resume()
+    total = fit_steps(
+        len(samples), epochs=cfg.epochs, batch=cfg.micro_batch_size, max_steps=max_steps
+    )
+    if start:
+        log.truncate_after(start)
+        print(f"sft: resumed after step {start} of {total} ({ckpts.folder})", flush=True)
+    else:
+        log.truncate_after(0)
+        load_init(run)
+
+    def step_done(n: int, st: dict[str, float]) -> None:
+        log.write(
+            {
+                "step": n,
+                "phase": "sft",
+                "weight_version": run.trainer.version,
+                "reward_mean": reward_mean,
+                "loss": st.get("loss"),
+                "grad_norm": st.get("grad_norm"),
+                "train_s": st.get("train_s"),
+                "rollout_s": rollout_s if n == start + 1 else 0.0,
+                "sft_examples": len(samples),
+                "sft_sessions": data.sessions_used,
+                "sft_skipped": data.sessions_skipped,
+            }
+        )
+        print(f"sft: step {n}/{total} loss {st.get('loss', float('nan')):.4f}", flush=True)
+        ckpts(n, st)
+
+    fit(
         run.trainer,
         samples,
         epochs=cfg.epochs,
@@ -327,30 +458,15 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
         batch=cfg.micro_batch_size,
         seed=run.config.run.seed,
         max_steps=max_steps,
+        start=start,
+        on_step=step_done,
     )
-    for i, st in enumerate(stats, 1):
-        log.write(
-            {
-                "step": i,
-                "phase": "sft",
-                "weight_version": run.trainer.version - len(stats) + i,
-                "reward_mean": reward_mean,
-                "loss": st.get("loss"),
-                "grad_norm": st.get("grad_norm"),
-                "train_s": st.get("train_s"),
-                "rollout_s": rollout_s if i == 1 else 0.0,
-                "sft_examples": len(samples),
-                "sft_sessions": data.sessions_used,
-                "sft_skipped": data.sessions_skipped,
-            }
-        )
-    run.trainer.save(
-        out / "checkpoints" / f"step_{len(stats)}", extra={"step": len(stats), "phase": "sft"}
-    )
+    final = out / "checkpoints" / f"step_{total}"
+    run.trainer.save(final, extra={"step": total, "phase": "sft"})
+    ckpts.clear()
     plot_metrics(out / "metrics.jsonl", out)
     print(
-        f"sft: {len(samples)} samples from {data.sessions_used} sessions, {len(stats)} steps -> "
-        f"{out / 'checkpoints' / f'step_{len(stats)}'}",
+        f"sft: {len(samples)} samples from {data.sessions_used} sessions, {total} steps -> {final}",
         flush=True,
     )
     return out

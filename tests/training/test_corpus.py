@@ -282,6 +282,16 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     assert load_suite("corpus:train") == []
     first = corpus.ensure_export()
     assert corpus.ensure_export() == first  # cached: not exported again
+    # One request kind for every task, or every kind: the same bugs, other requests
+    # (what `[sft] demo_suite = "corpus:train:all"` demonstrates).
+    by_test = load_suite("corpus:heldout:test")
+    assert [t.id for t in by_test] == [t.id for t in named]
+    every = load_suite("corpus:heldout:all")
+    assert sorted(t.id for t in every) == sorted(t.id for t in named for _ in range(3))
+    assert len({(t.id, t.query) for t in every}) == 3 * len(named)
+    assert {t.query for t in by_test} < {t.query for t in every}
+    with pytest.raises(TaskError, match="unknown query kind 'often'"):
+        load_suite("corpus:heldout:often")
 
     # Resume: a built project is not built again.
     stamp = (out / "projects" / "tinylib" / "project.json").stat().st_mtime_ns

@@ -3,6 +3,7 @@ adapter file round-trips, and a checkpoint resumes exactly."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,86 @@ def test_sft_init_continues_from_a_checkpoint(tmp_path, monkeypatch):
         assert torch.equal(adapter_state(tr.model)[name], t)
     with pytest.raises(ConfigError, match="not a checkpoint folder"):
         run_with(str(tmp_path / "absent"))
+
+
+def test_an_interrupted_sft_resumes_from_its_mid_round_checkpoint(tmp_path, monkeypatch, capsys):
+    """`--sft` killed mid-epoch: the rerun restores the last `sft_resume` checkpoint and
+    takes only the steps after it, ending exactly where an uninterrupted run ends; a
+    different set of samples starts over."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from opencomposer.training import sft as sftmod
+    from opencomposer.training.config import SftSection
+    from opencomposer.training.lora import adapter_state
+
+    data = SimpleNamespace(samples=_samples(8), sessions_used=8, sessions_skipped=0)
+
+    async def samples(run):
+        return data
+
+    monkeypatch.setattr(sftmod, "trace_samples", samples)
+    sft = SftSection(source="traces", epochs=1, lr=5e-2, micro_batch_size=1, checkpoint_every=3)
+    cfg = SimpleNamespace(sft=sft, run=SimpleNamespace(seed=0))
+
+    def trainer() -> Trainer:
+        return Trainer(tiny_llama(seed=0), TrainerConfig(lr=5e-2, precision="fp32", lora_rank=2))
+
+    def run(out: Path, tr: Trainer) -> Trainer:
+        asyncio.run(sftmod.run_sft(SimpleNamespace(config=cfg, out=out, trainer=tr)))
+        return tr
+
+    whole = run(tmp_path / "whole", trainer())
+
+    class Killed(Exception):
+        pass
+
+    doomed = trainer()
+    step = doomed.sft_step
+    calls = {"n": 0}
+
+    def dies_at_five(batch, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed
+        return step(batch, **kw)
+
+    doomed.sft_step = dies_at_five  # type: ignore[method-assign]
+    out = tmp_path / "cut"
+    with pytest.raises(Killed):
+        run(out, doomed)
+    assert (out / "checkpoints" / "sft_resume").is_dir()
+    capsys.readouterr()
+
+    again = trainer()
+    taken = {"n": 0}
+    step2 = again.sft_step
+
+    def counted(batch, **kw):
+        taken["n"] += 1
+        return step2(batch, **kw)
+
+    again.sft_step = counted  # type: ignore[method-assign]
+    run(out, again)
+    assert "resumed after step 3 of 8" in capsys.readouterr().out
+    assert taken["n"] == 5  # steps 4..8, not all eight
+    for name, t in adapter_state(whole.model).items():
+        assert torch.allclose(adapter_state(again.model)[name], t, atol=1e-6), name
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert (out / "checkpoints" / "step_8").is_dir()
+    assert not (out / "checkpoints" / "sft_resume").exists()
+
+    # Other samples are another round: nothing is resumed from a stale checkpoint.
+    doomed2 = trainer()
+    calls["n"] = 0
+    step = doomed2.sft_step
+    doomed2.sft_step = dies_at_five  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        run(out, doomed2)
+    data.samples = _samples(8)[::-1]
+    run(out, trainer())
+    assert "resumed" not in capsys.readouterr().out
 
 
 def test_the_shipped_policy_carries_its_turn_budget_into_the_embedded_folder(tmp_path, monkeypatch):

@@ -451,3 +451,37 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     wrong = wrong_fix(task, LINE_FIX)
     assert f"<new>{wrong}</new>" not in trained and f"<old>{wrong}</old>" in trained
     assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"] if t["turn"] != k + 1)
+
+
+def test_demonstrations_come_from_the_demo_suite_when_one_is_named(tmp_path, monkeypatch):
+    """`[sft] demo_suite` names what is demonstrated (e.g. every training task once per
+    request kind); without it the run's own training tasks are; a suite that does not
+    load is one clear configuration error."""
+    from types import SimpleNamespace
+
+    from opencomposer.training import catalog
+    from opencomposer.training import sft as sftmod
+    from opencomposer.training.config import ConfigError, SftSection
+
+    seen = []
+
+    def fake_pending(store, tasks, **kw):
+        seen.append(list(tasks))
+        return []
+
+    monkeypatch.setattr(sftmod, "pending", fake_pending)
+    monkeypatch.setattr(catalog, "load_suite", lambda name: [f"{name}/a", f"{name}/b"])
+
+    def run(suite):
+        cfg = SimpleNamespace(
+            sft=SftSection(source="demos", demo_suite=suite), run=SimpleNamespace(seed=0)
+        )
+        return SimpleNamespace(config=cfg, tasks=["own"], prompt_style="compact", env=None)
+
+    asyncio.run(sftmod.ensure_demos(run(""), tmp_path / "a.db"))
+    asyncio.run(sftmod.ensure_demos(run("corpus:train:all"), tmp_path / "b.db"))
+    assert seen == [["own"], ["corpus:train:all/a", "corpus:train:all/b"]]
+
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"\[sft\] demo_suite: no task suite 'nowhere'"):
+        asyncio.run(sftmod.ensure_demos(run("nowhere"), tmp_path / "c.db"))

@@ -205,14 +205,14 @@ async def test_rejection_sampling_warm_start_runs_before_rl_and_is_not_redone(tm
     assert phases.count("warmup1") == 1 and phases.count("baseline") == 1
 
 
-async def test_trace_warm_start_trains_on_accepted_traces_before_rl(tmp_path):
+def accepted_trace_db(db):
+    """A trace store with one accepted session and one rejected one."""
     from opencomposer.agent.protocols import TurnOutput
     from opencomposer.agent.traces import TraceStore
 
-    db = tmp_path / "traces.db"
     store = TraceStore(db)
     for sid, decision in (("good", "accept"), ("bad", "reject")):
-        store.start_session(sid, workspace=tmp_path, model="m", sampling={}, query="q")
+        store.start_session(sid, workspace=db.parent, model="m", sampling={}, query="q")
         out = TurnOutput(
             text="x",
             prompt_token_ids=[1, 2],
@@ -224,6 +224,11 @@ async def test_trace_warm_start_trains_on_accepted_traces_before_rl(tmp_path):
         store.end_session(sid, status="completed", answer="", turns=1, tool_calls=1)
         store.record_decision(sid, "*", decision)
     store.close()
+    return db
+
+
+async def test_trace_warm_start_trains_on_accepted_traces_before_rl(tmp_path):
+    db = accepted_trace_db(tmp_path / "traces.db")
     run = make_run(tmp_path / "run", steps=1)
     run.config = parse_config(
         {
@@ -241,6 +246,56 @@ async def test_trace_warm_start_trains_on_accepted_traces_before_rl(tmp_path):
     assert warm["weight_version"] == 3 and run.sampler.weight_version >= 3
     assert "heldout_reward" in warm and warm["time"] >= rows[0]["time"]
     assert rows[2]["step"] == 1
+
+
+async def test_an_interrupted_warm_start_resumes_mid_round(tmp_path):
+    """A warm start killed between SFT steps resumes from its `sft_resume` checkpoint:
+    the rerun takes the remaining steps only and reaches the weights of a run that was
+    never interrupted."""
+    db = accepted_trace_db(tmp_path / "traces.db")
+    cfg = parse_config(
+        {
+            "rollout": {"group_size": 2, "groups_per_step": 1, "max_inflight": 1},
+            "run": {"steps": 0, "progress": False},
+            "sft": {
+                "source": "traces",
+                "traces_db": str(db),
+                "warmup_rounds": 1,
+                "epochs": 4,
+                "lr": 1e-2,
+                "checkpoint_every": 1,
+            },
+        }
+    )
+
+    def warm(out, *, die_at=0):
+        run = make_run(out, steps=0)
+        run.config, run.heldout = cfg, []
+        step, calls = run.trainer.sft_step, {"n": 0}
+
+        def sft_step(batch, **kw):
+            calls["n"] += 1
+            if calls["n"] == die_at:
+                raise KeyboardInterrupt
+            return step(batch, **kw)
+
+        run.trainer.sft_step = sft_step
+        return run, calls
+
+    whole, _ = warm(tmp_path / "whole")
+    await run_loop(whole)
+    cut, _ = warm(tmp_path / "cut", die_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        await run_loop(cut)
+    assert not (tmp_path / "cut" / "checkpoints" / "step_0").exists()
+    again, calls = warm(tmp_path / "cut")
+    await run_loop(again)
+    assert calls["n"] == 2  # steps 3 and 4
+    assert lines(tmp_path / "cut")[-1]["sft_steps"] == 2
+    for name, t in whole.trainer.model.state_dict().items():
+        assert torch.allclose(again.trainer.model.state_dict()[name], t, atol=1e-6), name
+    assert (tmp_path / "cut" / "checkpoints" / "step_0").is_dir()
+    assert not (tmp_path / "cut" / "checkpoints" / "sft_resume").exists()
 
 
 async def test_trace_warm_start_without_accepted_traces_is_one_clear_error(tmp_path):
