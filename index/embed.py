@@ -92,6 +92,11 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles (Sapphire Rapids and later)."""
+    return "amx_tile" in _cpu_flags()
+
+
 def cpu_has_int8() -> bool:
     """Native int8 dot products (AVX512-VNNI, AVX-VNNI or AMX): where `_int_mm` beats bf16."""
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags())

@@ -41,7 +41,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,20 +161,59 @@ class LlamaCppModel:
             raise
 
 
+def _amx_crashes() -> bool:
+    """Whether this CPU has AMX tiles, where llama.cpp built natively puts the weights
+    in its AMX buffer type, whose matrix multiply (``ggml_backend_amx_mul_mat``)
+    crashed the process with SIGSEGV on the embedded model's first batch, whatever its
+    size (Xeon with AMX, llama-cpp-python 0.3.36). Without the extra buffer types the
+    weights stay in plain CPU buffers and the AVX-512 kernels run them."""
+    from opencomposer.index.embed import cpu_has_amx
+
+    return cpu_has_amx()
+
+
+_PARAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _model_params(**fields: Any) -> Iterator[None]:
+    """Set llama.cpp model params that ``llama_cpp.Llama`` takes no argument for
+    (``use_extra_bufts``) on the defaults its constructor starts from, while one
+    engine is built."""
+    from llama_cpp import llama as llama_module
+
+    low = llama_module.llama_cpp
+    defaults = low.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        for k, v in fields.items():
+            setattr(p, k, v)
+        return p
+
+    with _PARAMS_LOCK:
+        low.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            low.llama_model_default_params = defaults
+
+
 class _Engine:
     """A llama.cpp context and the token ids its KV cache holds (positions 0..n-1)."""
 
     def __init__(self, gguf: Path, n_ctx: int, threads: int, stop_ids: set[int]) -> None:
         import llama_cpp
 
-        self.llama = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=n_ctx,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        with _model_params(use_extra_bufts=not _amx_crashes()):
+            self.llama = llama_cpp.Llama(
+                model_path=str(gguf),
+                n_ctx=n_ctx,
+                n_batch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
         self.n_vocab = self.llama.n_vocab()
         self.stop_ids = stop_ids
         self.cached: list[int] = []  # the ids whose keys and values the cache holds

@@ -272,3 +272,22 @@ def test_a_lora_checkpoint_converts_its_model_weights_not_its_adapter(tmp_path):
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
     ]
+
+
+def test_the_embedded_model_runs_a_batch_on_this_cpu() -> None:
+    """On a CPU with AMX, llama.cpp's AMX buffer type crashed the process (SIGSEGV in
+    `ggml_backend_amx_mul_mat`) on the embedded Q8_0 model's first batch; the engine
+    keeps the weights out of it there. A child process runs the batch, so a crash is
+    this test's failure, not the end of the suite."""
+    import subprocess
+    import sys
+
+    code = (
+        "from opencomposer.agent.backends.llamacpp import _Engine\n"
+        "from opencomposer.agent.backends.smollm2 import gguf_path\n"
+        "e = _Engine(gguf_path(), 1024, 1, set())\n"
+        "e.llama.eval(e.llama.tokenize(b'def f(x):\\n    return x + 1\\n' * 20))\n"
+        "print('evaluated', e.llama.n_tokens)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "evaluated" in r.stdout, (r.returncode, r.stderr[-800:])
