@@ -62,8 +62,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,8 @@ class Workspaces:
         self.pools: dict[str, deque[Path]] = {}
         self.leases: dict[str, Path] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
+        self._pins: Counter[str] = Counter()  # users of each template, by key
+        self._lease_keys: dict[str, str] = {}
         self._refills: set[asyncio.Task[Any]] = set()
         self._filling: set[str] = set()
         remove_workspace(root)  # what a dead predecessor (a restarted actor) left behind
@@ -264,16 +266,35 @@ class Workspaces:
                 remove_workspace(dest)
                 raise
             self.templates[key] = dest / "repo"
-            self._evict()
+            self._evict(keep=key)
             return dest / "repo"
 
-    def _evict(self) -> None:
-        while len(self.templates) > self.config.max_templates:
-            key, path = next(iter(self.templates.items()))
-            del self.templates[key]
+    def _evict(self, keep: str | None = None) -> None:
+        """Drop the least recently used templates past ``max_templates``. One in use (a
+        lease verifies against it, a copy of it is being made) stays until its last
+        user is done, so the cache runs over by the templates in use; ``keep`` is the
+        one just built, for its caller."""
+        over = len(self.templates) - self.config.max_templates
+        idle = [k for k in self.templates if not self._pins[k] and k != keep]
+        for key in idle[: max(0, over)]:
+            path = self.templates.pop(key)
             for ws in self.pools.pop(key, deque()):
                 remove_workspace(ws)
             remove_workspace(path.parent)
+
+    @contextlib.contextmanager
+    def _pinned(self, key: str) -> Iterator[None]:
+        self._pins[key] += 1
+        try:
+            yield
+        finally:
+            self._unpin(key)
+
+    def _unpin(self, key: str) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] <= 0:
+            del self._pins[key]
+            self._evict()
 
     async def copy(self, template: Path) -> Path:
         """A fresh workspace: its own folder holding a copy-on-write copy of the template."""
@@ -295,14 +316,22 @@ class Workspaces:
         return dest
 
     async def acquire(self, task: Task) -> tuple[str, Path]:
+        """A workspace for one episode; its template is kept (for `verify`) until the
+        lease is released."""
         key = _tar_key(task)
         template = await self.template(task)
-        pool = self.pools.setdefault(key, deque())
-        path = pool.popleft() if pool else await self.copy(template)
+        self._pins[key] += 1  # no await since `template` returned: it is still there
+        try:
+            pool = self.pools.setdefault(key, deque())
+            path = pool.popleft() if pool else await self.copy(template)
+        except BaseException:
+            self._unpin(key)
+            raise
         if self.config.pool_size > 0:
             self._refill(key, template)
         lease_id = uuid.uuid4().hex[:12]
         self.leases[lease_id] = path
+        self._lease_keys[lease_id] = key
         return lease_id, path
 
     def _refill(self, key: str, template: Path) -> None:
@@ -313,7 +342,12 @@ class Workspaces:
             pool = self.pools.setdefault(key, deque())
             try:
                 while len(pool) < self.config.pool_size and key in self.templates:
-                    pool.append(await self.copy(template))
+                    with self._pinned(key):
+                        copy = await self.copy(template)
+                    if key in self.templates:
+                        pool.append(copy)
+                    else:  # evicted meanwhile, with its pool
+                        remove_workspace(copy)
             finally:
                 self._filling.discard(key)
 
@@ -325,15 +359,19 @@ class Workspaces:
     async def prewarm(self, task: Task) -> int:
         key = _tar_key(task)
         template = await self.template(task)
-        pool = self.pools.setdefault(key, deque())
-        while len(pool) < self.config.pool_size:
-            pool.append(await self.copy(template))
+        with self._pinned(key):
+            pool = self.pools.setdefault(key, deque())
+            while len(pool) < self.config.pool_size:
+                pool.append(await self.copy(template))
         return len(pool)
 
     def release(self, lease_id: str) -> None:
         path = self.leases.pop(lease_id, None)
         if path is not None:
             remove_workspace(path)
+        key = self._lease_keys.pop(lease_id, None)
+        if key is not None:
+            self._unpin(key)
 
     async def verify(self, lease_id: str, task: Task, *, answer: str, tool_ok: bool) -> Verdict:
         path = self.leases[lease_id]

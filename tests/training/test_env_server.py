@@ -295,3 +295,39 @@ async def test_workspace_copies_are_independent(tmp_path: Path) -> None:
         ws.close()
     assert not (tmp_path / "local").exists()
     assert str(tmp_path) not in Path("/proc/mounts").read_text()
+
+
+async def test_a_template_in_use_outlives_its_eviction(tmp_path: Path) -> None:
+    """The template cache holds one task. A second task's template is built while an
+    episode of the first is still being copied from its template: the copy must not
+    lose its source, and the first is evicted only once its lease is released."""
+    a = _task(tmp_path, "a", protect=["test_calc.py"])
+    b = _task(tmp_path, "b", query="another task")
+    ws = Workspaces(tmp_path / "local", EnvConfig(pool_size=0, max_templates=1))
+    a_template = await ws.template(a)
+    copying, go_on = asyncio.Event(), asyncio.Event()
+    copy = ws.copy
+
+    async def held_copy(template: Path) -> Path:
+        if template == a_template:  # hold the first task's copy until the second is in
+            copying.set()
+            await go_on.wait()
+        return await copy(template)
+
+    ws.copy = held_copy  # type: ignore[method-assign]
+    try:
+        first = asyncio.ensure_future(ws.acquire(a))
+        await copying.wait()
+        b_id, _ = await ws.acquire(b)  # builds the second template: the cache is over
+        go_on.set()
+        a_id, a_path = await first
+        assert len(ws.templates) == 2  # over the cap while both are in use
+        (a_path / "calc.py").write_text(BUGGY.replace("a - b", "a + b"))
+        assert (await ws.verify(a_id, a, answer="fixed", tool_ok=True)).resolved
+        ws.release(a_id)
+        assert len(ws.templates) == 1 and not a_template.exists()  # the released one went
+        assert (await ws.verify(b_id, b, answer="", tool_ok=True)).resolved is False
+        ws.release(b_id)
+        assert len(ws.templates) == 1  # within the cap: kept for the next episode
+    finally:
+        ws.close()
