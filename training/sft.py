@@ -441,6 +441,8 @@ async def run_sft(run: Any, *, max_steps: int | None = None) -> Any:
                 "loss": st.get("loss"),
                 "grad_norm": st.get("grad_norm"),
                 "train_s": st.get("train_s"),
+                "train_tokens": st.get("train_tokens"),  # the trained (masked) tokens
+                "seq_tokens": st.get("seq_tokens"),  # what the step ran through the model
                 "rollout_s": rollout_s if n == start + 1 else 0.0,
                 "sft_examples": len(samples),
                 "sft_sessions": data.sessions_used,

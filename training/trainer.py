@@ -394,6 +394,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": float(skipped),
             "train_tokens": num_tokens,
+            "seq_tokens": float(sum(len(s.input_ids) for s in samples)),
             "train_s": time.perf_counter() - t0,
         }
 

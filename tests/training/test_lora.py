@@ -327,6 +327,7 @@ def test_an_interrupted_sft_resumes_from_its_mid_round_checkpoint(tmp_path, monk
         assert torch.allclose(adapter_state(again.model)[name], t, atol=1e-6), name
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["seq_tokens"] >= r["train_tokens"] > 0 for r in rows)  # what each step ran
     assert (out / "checkpoints" / "step_8").is_dir()
     assert not (out / "checkpoints" / "sft_resume").exists()
 
