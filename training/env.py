@@ -282,9 +282,12 @@ class Workspaces:
                 remove_workspace(ws)
             remove_workspace(path.parent)
 
+    def _pin(self, key: str) -> None:
+        self._pins[key] += 1
+
     @contextlib.contextmanager
     def _pinned(self, key: str) -> Iterator[None]:
-        self._pins[key] += 1
+        self._pin(key)
         try:
             yield
         finally:
@@ -320,7 +323,7 @@ class Workspaces:
         lease is released."""
         key = _tar_key(task)
         template = await self.template(task)
-        self._pins[key] += 1  # no await since `template` returned: it is still there
+        self._pin(key)  # no await since `template` returned: it is still there
         try:
             pool = self.pools.setdefault(key, deque())
             path = pool.popleft() if pool else await self.copy(template)
