@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import Edit, ToolContext, ToolError, ToolResult
 from opencomposer.tools.specs import GREP, LIST_DIR, READ_FILE, RUN_TERMINAL, WRITE_FILE
-from opencomposer.tools.workspace import MAX_FILE_BYTES, walk
+from opencomposer.tools.workspace import MAX_FILE_BYTES, not_found, walk
 
 READ_MAX_LINES = 2000
 READ_MAX_FILE_BYTES = MAX_FILE_BYTES
@@ -188,6 +188,8 @@ async def read_file(
     key = ws.relative(ws.resolve(path))
     if ws.is_dir(path):
         raise ToolError(f"{key} is a directory; use {LIST_DIR} to see what it holds")
+    if not ws.exists(path):
+        raise not_found(ws, key)
     target = ws.resolve(path)
     if target.is_file() and target.stat().st_size > READ_MAX_FILE_BYTES and key not in ws.overlay():
         size_mb = target.stat().st_size / 1e6
@@ -442,7 +444,7 @@ async def edit_file(
         raise ToolError(f"old is empty; use {WRITE_FILE} to create or overwrite a whole file")
     before = _read_existing(ctx, path)
     if before is None:
-        raise ToolError(f"file not found: {key} (use {WRITE_FILE} to create it)")
+        raise not_found(ws, key, otherwise=f"use {WRITE_FILE} to create it")
     if old == new:
         raise ToolError("old and new are the same; nothing to change")
     try:
@@ -499,7 +501,7 @@ async def delete_file(ctx: ToolContext, path: str) -> ToolResult:
     if key == "." or ws.is_dir(path):
         raise ToolError(f"{key} is a directory; only files are deleted")
     if not ws.exists(path):
-        raise ToolError(f"file not found: {key}")
+        raise not_found(ws, key)
     try:
         before = ws.read_text(path)
     except ToolError as e:
@@ -529,7 +531,7 @@ async def list_dir(ctx: ToolContext, path: str = "", depth: int = 2) -> ToolResu
     if not ws.is_dir(key):
         if ws.exists(key):
             raise ToolError(f"{key} is a file, not a directory; use {READ_FILE}")
-        raise ToolError(f"directory not found: {key}")
+        raise not_found(ws, key, "directory")
     start = "" if key == "." else key
     base_depth = start.count("/") + 1 if start else 0
 

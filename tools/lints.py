@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import ToolContext, ToolError, ToolResult, Workspace
-from opencomposer.tools.workspace import walk_files
+from opencomposer.tools.workspace import not_found, walk_files
 
 if TYPE_CHECKING:
     from tree_sitter_language_pack import SupportedLanguage
@@ -321,7 +321,7 @@ def _targets(ws: Workspace, paths: list[str] | None) -> tuple[list[str], int]:
                 raise ToolError(f"{key} is not a regular file; only text files are checked")
             found[key] = None
         else:
-            raise ToolError(f"path not found: {key}")
+            raise not_found(ws, key, "path")
     files = sorted(found)
     return files[:LINT_MAX_FILES], max(0, len(files) - LINT_MAX_FILES)
 

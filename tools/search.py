@@ -41,6 +41,7 @@ from opencomposer.tools.output import returns_errors
 from opencomposer.tools.protocols import SearchHit, ToolContext, ToolError, ToolResult
 from opencomposer.tools.specs import GLOB, GREP
 from opencomposer.tools.workspace import (
+    not_found,
     open_dir,
     open_regular,
     parent_dir,
@@ -109,7 +110,7 @@ async def grep(
         raise ToolError("grep pattern is empty")
     key = ws.key(path or ".")
     if not ws.exists(key):
-        raise ToolError(f"path not found: {key}")
+        raise not_found(ws, key, "path")
     if not _searchable(ws.root / key):
         raise ToolError(f"{key} is not a regular file or a folder; grep searches text files")
     try:

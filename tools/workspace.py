@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pathspec
-from opencomposer.tools.protocols import PathError, ToolError
+from opencomposer.tools.protocols import PathError, ToolError, Workspace
 from opencomposer.tools.specs import RUN_TERMINAL
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn"})
@@ -540,3 +540,63 @@ def _entry_kind(root: Path, child: str, entry: os.DirEntry[str]) -> str | None:
         return "file" if entry.is_file(follow_symlinks=False) else "other"
     except OSError:
         return None
+
+
+# -- near misses ---------------------------------------------------------------
+
+SUGGEST_MAX = 3
+SUGGEST_MAX_SCAN = 50_000  # entries walked before the search for a near miss gives up
+
+
+def not_found(ws: Workspace, key: str, what: str = "file", *, otherwise: str = "") -> ToolError:
+    """`{what} not found: KEY`, naming up to three paths the caller may have meant.
+
+    Models often name a file by its base name (`test_x.py` for `tests/test_x.py`)
+    or drop a leading folder (`pkg/mod.py` for `src/pkg/mod.py`). Ranked: a path
+    that ends with every part of `key`, then one with the same base name, then the
+    same base name in another case; shorter paths first. `what` is "file",
+    "directory" or "path" (either), which also says what may match. `otherwise` is
+    the advice given in brackets when nothing is near."""
+    near = similar_paths(ws, key, files=what != "directory", dirs=what != "file")
+    if not near:
+        return ToolError(f"{what} not found: {key}" + (f" ({otherwise})" if otherwise else ""))
+    if len(near) == 1:
+        return ToolError(f"{what} not found: {key}; did you mean {near[0]}?")
+    return ToolError(f"{what} not found: {key}; did you mean one of: {', '.join(near)}?")
+
+
+def similar_paths(ws: Workspace, key: str, *, files: bool = True, dirs: bool = False) -> list[str]:
+    """Existing workspace files and/or folders (.gitignore respected, unsaved
+    buffers included) that `key` probably meant; see `not_found`."""
+    if key in (".", ""):
+        return []
+    tail = "/" + key
+    name = key.rsplit("/", 1)[-1]
+    folded = name.casefold()
+    ranked: list[tuple[int, int, str]] = []
+    seen: set[str] = set()
+
+    def consider(rel: str) -> None:
+        if rel in seen or rel == key:
+            return
+        seen.add(rel)
+        base = rel.rsplit("/", 1)[-1]
+        if rel.endswith(tail):
+            rank = 0
+        elif base == name:
+            rank = 1
+        elif base.casefold() == folded:
+            rank = 2
+        else:
+            return
+        ranked.append((rank, rel.count("/"), rel))
+
+    for i, (rel, is_dir) in enumerate(walk(ws.root, include_dirs=dirs)):
+        if i >= SUGGEST_MAX_SCAN:
+            break
+        if dirs if is_dir else files:
+            consider(rel)
+    if files:
+        for rel in ws.overlay():
+            consider(rel)
+    return [rel for _, _, rel in sorted(ranked)[:SUGGEST_MAX]]

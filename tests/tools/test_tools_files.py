@@ -97,6 +97,70 @@ async def test_read_file_bad_paths(ctx: ToolContext, tmp_path: Path) -> None:
         assert "\n" not in r.output
 
 
+async def test_a_missing_path_names_the_files_it_may_mean(ctx: ToolContext) -> None:
+    """A base name alone, a path short of its leading folder, or the wrong case: the
+    error names the existing files (not ignored ones), nearest first, on one line."""
+    root = ctx.workspace.root
+    for rel in ["tests/test_app.py", "src/pkg/mod.py", "lib/pkg/mod.py", "build/test_app.py"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    (root / ".gitignore").write_text("build/\n")
+    ws = ctx.workspace
+    assert isinstance(ws, LocalWorkspace)
+    ws.buffers["docs/test_app.py"] = "unsaved = True\n"
+    cases = [
+        (
+            "read_file",
+            dict(path="test_app.py"),
+            "file not found: test_app.py; did you mean one of: "
+            "docs/test_app.py, tests/test_app.py?",
+        ),
+        (
+            "read_file",
+            dict(path="pkg/mod.py"),
+            "did you mean one of: lib/pkg/mod.py, src/pkg/mod.py?",
+        ),
+        ("read_file", dict(path="APP.py"), "file not found: APP.py; did you mean src/app.py?"),
+        (
+            "edit_file",
+            dict(path="app.py", old="a", new="b"),
+            "file not found: app.py; did you mean src/app.py?",
+        ),
+        (
+            "delete_file",
+            dict(path="mod.py"),
+            "did you mean one of: lib/pkg/mod.py, src/pkg/mod.py?",
+        ),
+        (
+            "list_dir",
+            dict(path="pkg"),
+            "directory not found: pkg; did you mean one of: lib/pkg, src/pkg?",
+        ),
+        ("list_dir", dict(path="app.py"), "directory not found: app.py"),
+        (
+            "grep",
+            dict(pattern="x", path="pkg"),
+            "path not found: pkg; did you mean one of: lib/pkg,",
+        ),
+        (
+            "read_lints",
+            dict(paths="mod.py"),
+            "path not found: mod.py; did you mean one of: lib/pkg/",
+        ),
+    ]
+    for tool, args, message in cases:
+        r = await call(ctx, tool, **args)
+        assert r.status == "error", (tool, args)
+        assert message in r.output, (tool, r.output)
+        assert "\n" not in r.output and "build/" not in r.output
+    r = await call(ctx, "list_dir", path="app.py")
+    assert "did you mean" not in r.output  # a file is not offered for a folder
+    r = await call(ctx, "read_file", path="nowhere.py")
+    assert r.output == "file not found: nowhere.py"
+    r = await call(ctx, "edit_file", path="nowhere.py", old="a", new="b")
+    assert r.output == "file not found: nowhere.py (use write_file to create it)"
+
+
 async def test_read_file_sees_the_open_buffer(ctx: ToolContext) -> None:
     ctx.workspace.buffers["src/app.py"] = "unsaved = True\n"  # type: ignore[attr-defined]
     r = await call(ctx, "read_file", path="src/app.py")
