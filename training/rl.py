@@ -475,14 +475,19 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
         folder, trainer_config(cfg), with_reference=cfg.algo.kl_coef > 0
     )
     sampler = make_sampler(cfg, folder)
-    env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
+    # `--sft` on traces or demonstrations never samples: the engine stays unstarted;
+    # on traces it runs no episode either: no Ray, no environment actors
+    samples = not sft or cfg.sft.source == "rejection"
+    env = None
+    if not sft or cfg.sft.source != "traces":
+        env = EnvironmentServer(EnvConfig(num_actors=max(1, min(cfg.rollout.num_workers, 4))))
     out.mkdir(parents=True, exist_ok=True)
     traces = TraceStore(out / "traces.db")  # every episode, like a user's session
-    # `--sft` on traces or demonstrations never samples: the engine stays unstarted
-    samples = not sft or cfg.sft.source == "rejection"
-    await asyncio.gather(env.start(), *([sampler.start()] if samples else []))
+    await asyncio.gather(*([env.start()] if env else []), *([sampler.start()] if samples else []))
 
     async def episode(task: Any, scfg: Any) -> Rollout:
+        if env is None:
+            raise RuntimeError("--sft on traces runs no episodes")
         res = env.run_episode(
             task, model_spec_or_factory=sampler, session_config=scfg, traces=traces
         )
@@ -508,7 +513,8 @@ async def _train_async(cfg: TrainConfig, out: Path, max_steps: int | None, sft: 
             return await run_sft(run, max_steps=max_steps)
         return await run_loop(run, max_steps=max_steps)
     finally:
-        await env.close()
+        if env is not None:
+            await env.close()
         traces.close()
         await sampler.close()
 
