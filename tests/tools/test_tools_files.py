@@ -108,45 +108,17 @@ async def test_a_missing_path_names_the_files_it_may_mean(ctx: ToolContext) -> N
     ws = ctx.workspace
     assert isinstance(ws, LocalWorkspace)
     ws.buffers["docs/test_app.py"] = "unsaved = True\n"
+    both = "one of: lib/pkg/mod.py, src/pkg/mod.py?"
     cases = [
-        (
-            "read_file",
-            dict(path="test_app.py"),
-            "file not found: test_app.py; did you mean one of: "
-            "docs/test_app.py, tests/test_app.py?",
-        ),
-        (
-            "read_file",
-            dict(path="pkg/mod.py"),
-            "did you mean one of: lib/pkg/mod.py, src/pkg/mod.py?",
-        ),
-        ("read_file", dict(path="APP.py"), "file not found: APP.py; did you mean src/app.py?"),
-        (
-            "edit_file",
-            dict(path="app.py", old="a", new="b"),
-            "file not found: app.py; did you mean src/app.py?",
-        ),
-        (
-            "delete_file",
-            dict(path="mod.py"),
-            "did you mean one of: lib/pkg/mod.py, src/pkg/mod.py?",
-        ),
-        (
-            "list_dir",
-            dict(path="pkg"),
-            "directory not found: pkg; did you mean one of: lib/pkg, src/pkg?",
-        ),
-        ("list_dir", dict(path="app.py"), "directory not found: app.py"),
-        (
-            "grep",
-            dict(pattern="x", path="pkg"),
-            "path not found: pkg; did you mean one of: lib/pkg,",
-        ),
-        (
-            "read_lints",
-            dict(paths="mod.py"),
-            "path not found: mod.py; did you mean one of: lib/pkg/",
-        ),
+        ("read_file", {"path": "test_app.py"}, "one of: docs/test_app.py, tests/test_app.py?"),
+        ("read_file", {"path": "pkg/mod.py"}, "file not found: pkg/mod.py; did you mean " + both),
+        ("read_file", {"path": "APP.py"}, "file not found: APP.py; did you mean src/app.py?"),
+        ("edit_file", {"path": "app.py", "old": "a", "new": "b"}, "did you mean src/app.py?"),
+        ("delete_file", {"path": "mod.py"}, "file not found: mod.py; did you mean " + both),
+        ("list_dir", {"path": "pkg"}, "directory not found: pkg; did you mean one of: lib/pkg, "),
+        ("list_dir", {"path": "app.py"}, "directory not found: app.py"),
+        ("grep", {"pattern": "x", "path": "pkg"}, "path not found: pkg; did you mean one of: lib"),
+        ("read_lints", {"paths": "mod.py"}, "path not found: mod.py; did you mean " + both),
     ]
     for tool, args, message in cases:
         r = await call(ctx, tool, **args)
