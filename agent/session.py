@@ -60,6 +60,10 @@ _EVENT_OUTPUT_LIMIT = 4_000  # characters of a tool result that live views get i
 
 
 DEFAULT_MAX_TURNS = 25
+# A turn whose calls all failed, made again unchanged with the same results this many
+# turns in a row, ends the session (status "repetition"): a model in that loop does
+# not leave it, and every further turn spends time and tokens on the same error.
+STUCK_TURNS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +170,23 @@ class SessionResult:
     tool_calls: int
     duration_s: float
     error: str | None = None
+
+
+def _stuck(turns: list[TurnRecord]) -> str:
+    """The first failed call and its error, if the last `STUCK_TURNS` turns made the
+    same calls, every one of them failing with the same output; else ""."""
+    if len(turns) < STUCK_TURNS:
+        return ""
+    keys = []
+    for t in turns[-STUCK_TURNS:]:
+        if not t.calls or any(c.result is None or c.result.status != "error" for c in t.calls):
+            return ""
+        keys.append([(c.name, repr(c.args), c.result and c.result.output) for c in t.calls])
+    if any(k != keys[0] for k in keys[1:]):
+        return ""
+    name, _, output = keys[0][0]
+    line = (output or "").strip().split("\n", 1)[0]
+    return f"{name}: {line[:160]}"
 
 
 class _End(Exception):
@@ -331,6 +352,13 @@ class Session:
             self.messages.append(
                 Message(role="user", content=format_results(record.calls), kind="tool_results")
             )
+            stuck = _stuck(self.turns)
+            if stuck:
+                raise _End(
+                    "repetition",
+                    f"the model made the same failing call{'s' if len(record.calls) > 1 else ''} "
+                    f"{STUCK_TURNS} turns in a row ({stuck})",
+                )
             if self.completion_tokens >= self.config.max_completion_tokens:
                 raise _End(
                     "max_tokens",

@@ -142,3 +142,51 @@ def test_rl_trains_on_repetition_episodes() -> None:
         ).status
         == "error"
     )
+
+
+async def test_the_same_failing_turn_three_times_ends_the_session(tmp_path: Path) -> None:
+    """A model that sends the same failing calls again and again (the embedded policy
+    reading the prompt's example path 7 turns in a row) is stopped at the third such
+    turn with status `repetition`, naming the call and its error."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("def test_x():\n    pass\n")
+    loop = '<read_file path="src/app.py" start_line="1" end_line="9"/>\n<grep pattern="x"/>'
+    events: list[dict] = []
+    session = Session(
+        model=scripted(*[loop] * 8, "never reached", cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all", max_turns=8),
+        on_event=lambda e: events.append(e.to_wire()),
+    )
+    result = await session.run("fix the bug")
+    assert len(result.turns) == 8  # grep succeeds: a turn with one good call is no loop
+    session = Session(
+        model=scripted(*[loop.split("\n")[0]] * 8, "never reached", cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all", max_turns=8),
+        on_event=lambda e: events.append(e.to_wire()),
+    )
+    result = await session.run("fix the bug")
+    assert result.status == "repetition" and len(result.turns) == 3
+    assert result.error == (
+        "the model made the same failing call 3 turns in a row "
+        "(read_file: file not found: src/app.py)"
+    )
+    assert events[-1]["type"] == "session_end" and events[-1]["status"] == "repetition"
+
+
+async def test_a_retry_that_sees_a_new_result_is_not_a_loop(tmp_path: Path) -> None:
+    """The same call made again is fine while its result changes (the tests rerun
+    after each edit), and so is a failing call made again after a different one."""
+    (tmp_path / "n.txt").write_text("0\n")
+    bump = "<run_terminal><command>echo $(( $(cat n.txt) + 1 )) > n.txt; cat n.txt; exit 1</command></run_terminal>"
+    missing = '<read_file path="missing.py"/>'
+    turns = [bump] * 4 + [missing, missing, bump, missing, missing, "Done."]
+    session = Session(
+        model=scripted(*turns, cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all", max_turns=12),
+    )
+    result = await session.run("count")
+    assert result.status == "completed" and result.answer == "Done."
+    assert (tmp_path / "n.txt").read_text() == "5\n"
