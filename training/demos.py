@@ -343,6 +343,62 @@ def _kind_words(kind: str) -> str:
     return " and ".join(_KIND_PHRASES.get(p, f"a bug ({p})") for p in parts)
 
 
+# Code tokens for `change_words`: numbers (``2.0`` whole), names, Python's two-character
+# operators, then any other single character.
+_CODE_TOKEN = re.compile(
+    r"\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\w+|\*\*=?|//=?|->|:=|[=!<>+\-*/%&|^@]=|<<|>>|\s+|.", re.S
+)
+CHANGE_WORDS_MAX = 60  # longer sides (a dropped branch's lines) are not spelled out
+
+
+def change_words(old: str, new: str) -> str | None:
+    """The edit ``old -> new`` said as the engineer would before making it: "`<` should
+    be `<=`", the smallest span of whole code tokens that differs, widened by one token
+    where one side would be empty (a dropped ``not``: "`not x` should be `x`"). None
+    when the edit changes nothing, or a side would be longer than one short line.
+
+    Said before the ``edit_file`` call, the change is decided where the policy writes
+    it in words, and the call copies it; otherwise the one changed token hides among
+    the copied ones, and a small model learns to copy ``<old>`` unchanged."""
+    a, b = _CODE_TOKEN.findall(old), _CODE_TOKEN.findall(new)
+    codes = [
+        c
+        for c in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
+        if c[0] != "equal"
+    ]
+    if not codes:
+        return None
+    i1, i2, j1, j2 = codes[0][1], codes[-1][2], codes[0][3], codes[-1][4]
+
+    def solid(i: int, toks: list[str]) -> bool:
+        return 0 <= i < len(toks) and not toks[i].isspace()
+
+    def span(lo: int, hi: int, toks: list[str]) -> str:
+        return "".join(toks[lo:hi]).strip()
+
+    if not span(i1, i2, a) or not span(j1, j2, b):  # widen both sides by a neighbour
+        left = i1 - 1
+        while left >= 0 and a[left].isspace():
+            left -= 1
+        if solid(left, a):
+            j1 -= i1 - left
+            i1 = left
+        else:
+            right = i2
+            while right < len(a) and a[right].isspace():
+                right += 1
+            if not solid(right, a):
+                return None
+            j2 += right + 1 - i2
+            i2 = right + 1
+    was, now = span(i1, i2, a), span(j1, j2, b)
+    if not was or not now or was == now:
+        return None
+    if "\n" in was + now or max(len(was), len(now)) > CHANGE_WORDS_MAX or "`" in was + now:
+        return None
+    return f"`{was}` should be `{now}`"
+
+
 def _locate_pattern(function: str) -> str:
     """A grep pattern for a function's definition (a method's, dunders included, by its
     own name: the read then starts at the hit)."""
@@ -534,10 +590,21 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         ]
         rerun = render_call(RUN_TERMINAL, command=pytest_command(task, module or protect))
     lines = ", ".join(f"line {line}" for _, _, line in sites)
-    fixing = [
-        f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
-        f"Found it: {_kind_words(kind)}. Fixing {lines}.",
-    ]
+
+    def fixing(changes: Sequence[tuple[str, str]]) -> list[str]:
+        said = [w for w in (change_words(o, n) for o, n in changes) if w]
+        if len(said) != len(changes):
+            return [
+                f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
+                f"Found it: {_kind_words(kind)}. Fixing {lines}.",
+            ]
+        what = "; ".join(said)
+        return [
+            f"{_kind_words(kind).capitalize()} at {lines}: {what}. Fixing it.",
+            f"Found it: {_kind_words(kind)} at {lines}; {what}.",
+        ]
+
+    changes = [(str(e["old"]), str(e["new"])) for e in edits]
     checking = ["Running the test again.", "Checking the fix."]
     if recovery is None:
         draw = random.Random(hashlib.sha1(f"{task.id}|recovery".encode()).hexdigest())
@@ -550,23 +617,31 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     if wrong is not None:
         e = edits[0]
         untrained = (len(turns),)
-        turns.append(_say(rng, fixing, [_edit_call(str(e["path"]), str(e["old"]), wrong)]))
+        turns.append(
+            _say(
+                rng,
+                fixing([(str(e["old"]), wrong)]),
+                [_edit_call(str(e["path"]), str(e["old"]), wrong)],
+            )
+        )
         must_fail = (len(turns),)
         turns.append(_say(rng, checking, [rerun]))
+        again = change_words(wrong, str(e["new"]))
+        what = f": {again}" if again else ""
         turns.append(
             _say(
                 rng,
                 [
                     f"Still failing, so that was not it. {_kind_words(kind).capitalize()} "
-                    f"at {lines}; correcting my edit.",
+                    f"at {lines}{what}; correcting my edit.",
                     f"The test still fails: my change was wrong. Looking again, it is "
-                    f"{_kind_words(kind)} at {lines}.",
+                    f"{_kind_words(kind)} at {lines}{what}.",
                 ],
                 [_edit_call(str(e["path"]), wrong, str(e["new"]))],
             )
         )
     else:
-        turns.append(_say(rng, fixing, edit))
+        turns.append(_say(rng, fixing(changes), edit))
     turns.append(_say(rng, checking, [rerun]))
     where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
     turns.append(

@@ -485,3 +485,41 @@ def test_demonstrations_come_from_the_demo_suite_when_one_is_named(tmp_path, mon
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"\[sft\] demo_suite: no task suite 'nowhere'"):
         asyncio.run(sftmod.ensure_demos(run("nowhere"), tmp_path / "c.db"))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ("if x < y:", "if x <= y:", "`<` should be `<=`"),
+        ("    return a and b", "    return a or b", "`and` should be `or`"),
+        ("k = n // 2", "k = n / 2", "`//` should be `/`"),
+        ("stop * 2.0", "stop * 1.0", "`2.0` should be `1.0`"),  # a number is one token
+        ("return sum(p for p, q in s)", "return sum(p * q for p, q in s)", "`p` should be `p * q`"),
+        ("f(a, b)", "f(b, a)", "`a, b` should be `b, a`"),
+        ("if not a:", "if a:", "`if not` should be `if`"),  # a deletion names a neighbour
+        ("return x", "return x[0]", "`x` should be `x[0]`"),
+        ("x = 1", "x = 1", None),  # no change
+        ("    y = a\n    z = b", "    y = a", None),  # a dropped line is not one short span
+    ],
+)
+def test_the_fix_is_said_in_words_before_the_edit(old, new, said):
+    from opencomposer.training.demos import change_words
+
+    assert change_words(old, new) == said
+
+
+def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
+    from opencomposer.training.demos import change_words
+
+    task = _corpus_task(tmp_path, ONE_LINE)
+    plain = demo_plan(task, LINE_SOLUTION, recovery=False)
+    fix = plain.turns[-3]
+    assert "`p` should be `p * q`" in fix.split("<edit_file")[0]
+    plan = demo_plan(task, LINE_SOLUTION, recovery=True)
+    (k,) = plan.untrained
+    wrong = wrong_fix(task, LINE_FIX)
+    # the wrong attempt says its own change; the correction says the right one
+    said = plan.turns[k].split("<edit_file")[0]
+    assert " should be `" in said and "`p * q`" not in said
+    correction = plan.turns[k + 2].split("<edit_file")[0]
+    assert wrong is not None and change_words(wrong, LINE_FIX["new"]) in correction
