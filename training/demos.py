@@ -338,6 +338,30 @@ _KIND_PHRASES = {
 }
 
 
+def said_change(old: str, new: str) -> str | None:
+    """`change_words` with the line it changes quoted first ("in `return None`, `None`
+    should be `value`"), so that the ``edit_file`` call after it copies both its
+    ``<old>`` line and the change from the sentence just written. Without the quote
+    (the change is the whole line, or the line is long) it is `change_words` alone;
+    None where that is."""
+    words = change_words(old, new)
+    if words is None:
+        return None
+    a, b = old.splitlines(), new.splitlines()
+    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    changed = [
+        a[i].strip()
+        for tag, i1, i2, _, _ in sm.get_opcodes()
+        if tag != "equal"
+        for i in range(i1, i2)
+    ]
+    line = changed[0] if changed else ""
+    was = words.split("` should be `", 1)[0].removeprefix("`")
+    if not line or line == was or len(line) > CHANGE_WORDS_MAX or "`" in line:
+        return words
+    return f"in `{line}`, {words}"
+
+
 def _kind_words(kind: str) -> str:
     parts = kind.removeprefix("two-site: ").split(" + ")
     return " and ".join(_KIND_PHRASES.get(p, f"a bug ({p})") for p in parts)
@@ -592,7 +616,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     lines = ", ".join(f"line {line}" for _, _, line in sites)
 
     def fixing(changes: Sequence[tuple[str, str]]) -> list[str]:
-        said = [w for w in (change_words(o, n) for o, n in changes) if w]
+        said = [w for w in (said_change(o, n) for o, n in changes) if w]
         if len(said) != len(changes):
             return [
                 f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
@@ -626,7 +650,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         )
         must_fail = (len(turns),)
         turns.append(_say(rng, checking, [rerun]))
-        again = change_words(wrong, str(e["new"]))
+        again = said_change(wrong, str(e["new"]))
         what = f": {again}" if again else ""
         turns.append(
             _say(

@@ -508,13 +508,38 @@ def test_the_fix_is_said_in_words_before_the_edit(old, new, said):
     assert change_words(old, new) == said
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        (
+            "        return None",
+            "        return value",
+            "in `return None`, `None` should be `value`",
+        ),
+        (
+            "    if m:\n        return None",
+            "    if not m:\n        return None",
+            "in `if m:`, `if` should be `if not`",
+        ),
+        ("a, b", "b, a", "`a, b` should be `b, a`"),  # the whole line changes: no quote
+        ("x = 1", "x = 1", None),
+    ],
+)
+def test_the_said_change_quotes_the_line_it_changes(old, new, said):
+    from opencomposer.training.demos import said_change
+
+    assert said_change(old, new) == said
+
+
 def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
-    from opencomposer.training.demos import change_words
+    from opencomposer.training.demos import change_words, said_change
 
     task = _corpus_task(tmp_path, ONE_LINE)
     plain = demo_plan(task, LINE_SOLUTION, recovery=False)
     fix = plain.turns[-3]
-    assert "`p` should be `p * q`" in fix.split("<edit_file")[0]
+    said = f"in `{CART_LINE.strip()}`, `p` should be `p * q`"
+    assert said_change(CART_LINE, LINE_FIX["new"]) == said
+    assert said in fix.split("<edit_file")[0]
     plan = demo_plan(task, LINE_SOLUTION, recovery=True)
     (k,) = plan.untrained
     wrong = wrong_fix(task, LINE_FIX)
@@ -522,4 +547,5 @@ def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
     said = plan.turns[k].split("<edit_file")[0]
     assert " should be `" in said and "`p * q`" not in said
     correction = plan.turns[k + 2].split("<edit_file")[0]
-    assert wrong is not None and change_words(wrong, LINE_FIX["new"]) in correction
+    assert wrong is not None and said_change(wrong, LINE_FIX["new"]) in correction
+    assert change_words(wrong, LINE_FIX["new"]) in correction
