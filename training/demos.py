@@ -338,30 +338,6 @@ _KIND_PHRASES = {
 }
 
 
-def said_change(old: str, new: str) -> str | None:
-    """`change_words` with the line it changes quoted first ("in `return None`, `None`
-    should be `value`"), so that the ``edit_file`` call after it copies both its
-    ``<old>`` line and the change from the sentence just written. Without the quote
-    (the change is the whole line, or the line is long) it is `change_words` alone;
-    None where that is."""
-    words = change_words(old, new)
-    if words is None:
-        return None
-    a, b = old.splitlines(), new.splitlines()
-    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
-    changed = [
-        a[i].strip()
-        for tag, i1, i2, _, _ in sm.get_opcodes()
-        if tag != "equal"
-        for i in range(i1, i2)
-    ]
-    line = changed[0] if changed else ""
-    was = words.split("` should be `", 1)[0].removeprefix("`")
-    if not line or line == was or len(line) > CHANGE_WORDS_MAX or "`" in line:
-        return words
-    return f"in `{line}`, {words}"
-
-
 def _kind_words(kind: str) -> str:
     parts = kind.removeprefix("two-site: ").split(" + ")
     return " and ".join(_KIND_PHRASES.get(p, f"a bug ({p})") for p in parts)
@@ -375,15 +351,10 @@ _CODE_TOKEN = re.compile(
 CHANGE_WORDS_MAX = 60  # longer sides (a dropped branch's lines) are not spelled out
 
 
-def change_words(old: str, new: str) -> str | None:
-    """The edit ``old -> new`` said as the engineer would before making it: "`<` should
-    be `<=`", the smallest span of whole code tokens that differs, widened by one token
-    where one side would be empty (a dropped ``not``: "`not x` should be `x`"). None
-    when the edit changes nothing, or a side would be longer than one short line.
-
-    Said before the ``edit_file`` call, the change is decided where the policy writes
-    it in words, and the call copies it; otherwise the one changed token hides among
-    the copied ones, and a small model learns to copy ``<old>`` unchanged."""
+def _changed_span(old: str, new: str) -> tuple[str, str] | None:
+    """The smallest span of whole code tokens in which ``old`` and ``new`` differ, as
+    ``(was, now)``, widened by one neighbour token where one side would be empty. None
+    when nothing changes, or a side spans lines or is longer than `CHANGE_WORDS_MAX`."""
     a, b = _CODE_TOKEN.findall(old), _CODE_TOKEN.findall(new)
     codes = [
         c
@@ -420,7 +391,43 @@ def change_words(old: str, new: str) -> str | None:
         return None
     if "\n" in was + now or max(len(was), len(now)) > CHANGE_WORDS_MAX or "`" in was + now:
         return None
-    return f"`{was}` should be `{now}`"
+    return was, now
+
+
+def change_words(old: str, new: str) -> str | None:
+    """The edit ``old -> new`` said as the engineer would before making it: "`<` should
+    be `<=`", the span `_changed_span` finds (a dropped ``not``: "`if` should be `if
+    not`"); None where it finds none.
+
+    Said before the ``edit_file`` call, the change is decided where the policy writes
+    it in words, and the call copies it; otherwise the one changed token hides among
+    the copied ones, and a small model learns to copy ``<old>`` unchanged."""
+    found = _changed_span(old, new)
+    return None if found is None else f"`{found[0]}` should be `{found[1]}`"
+
+
+def said_change(old: str, new: str) -> str | None:
+    """`change_words` with the line it changes quoted first ("in `return None`, `None`
+    should be `value`"), so that the ``edit_file`` call after it copies both its
+    ``<old>`` line and the change from the sentence just written. Without the quote
+    (the change is the whole line, or the line is long) it is `change_words` alone;
+    None where that is."""
+    found = _changed_span(old, new)
+    if found is None:
+        return None
+    words = f"`{found[0]}` should be `{found[1]}`"
+    a, b = old.splitlines(), new.splitlines()
+    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    changed = [
+        a[i].strip()
+        for tag, i1, i2, _, _ in sm.get_opcodes()
+        if tag != "equal"
+        for i in range(i1, i2)
+    ]
+    line = changed[0] if changed else ""
+    if not line or line == found[0] or len(line) > CHANGE_WORDS_MAX or "`" in line:
+        return words
+    return f"in `{line}`, {words}"
 
 
 def _locate_pattern(function: str) -> str:
@@ -628,7 +635,6 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             f"Found it: {_kind_words(kind)} at {lines}; {what}.",
         ]
 
-    changes = [(str(e["old"]), str(e["new"])) for e in edits]
     checking = ["Running the test again.", "Checking the fix."]
     if recovery is None:
         draw = random.Random(hashlib.sha1(f"{task.id}|recovery".encode()).hexdigest())
@@ -665,7 +671,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             )
         )
     else:
-        turns.append(_say(rng, fixing(changes), edit))
+        turns.append(_say(rng, fixing([(str(e["old"]), str(e["new"])) for e in edits]), edit))
     turns.append(_say(rng, checking, [rerun]))
     where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
     turns.append(
