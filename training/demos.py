@@ -72,9 +72,10 @@ class DemoStats:
     session_ids: list[str] = field(default_factory=list)  # the accepted ones
 
 
-def load_solution(task: Any) -> dict[str, Any] | None:
-    """The task's ``solution.json``; None if it has none. Refuses held-out tasks."""
-    if getattr(task, "split", "") == "heldout":
+def load_solution(task: Any, *, reference: bool = False) -> dict[str, Any] | None:
+    """The task's ``solution.json``; None if it has none. Refuses held-out tasks, unless
+    for a ``reference`` session (`record_demos`), which nothing ever trains on."""
+    if getattr(task, "split", "") == "heldout" and not reference:
         raise DemoError(f"task {task.id} is held out: its solution is never used")
     path = Path(task.dir) / SOLUTION
     if not path.is_file():
@@ -689,13 +690,15 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
 # ---------------------------------------------------------------- recording
 
 
-def _plan(task: Any, solution: dict[str, Any] | None) -> Plan | None:
+def _plan(
+    task: Any, solution: dict[str, Any] | None, *, recovery: bool | None = None
+) -> Plan | None:
     """The demonstration; None when the task has no solution or its request does not
     lead to the code (`expert_plan`)."""
     if solution is None:
         return None
     try:
-        return demo_plan(task, solution)
+        return demo_plan(task, solution, recovery=recovery)
     except DemoError:
         return None
 
@@ -726,18 +729,25 @@ async def record_demos(
     session_config: Any,
     concurrency: int = 4,
     meta: dict[str, Any] | None = None,
+    reference: bool = False,
 ) -> DemoStats:
     """Play a demonstration of every task with a solution through ``env.run_episode``
     (the production Session) into ``store`` (a ``TraceStore``); mark resolved ones
     accepted. ``meta`` is added to every demonstration's ``meta``. Refuses held-out
-    tasks before running anything."""
+    tasks before running anything.
+
+    With ``reference``, held-out tasks are played too, without a wrong first edit, as
+    the states at which `training.nextstep` asks a policy for its next step. Such a
+    session is never accepted (``meta.source = "reference"``, ``accepted`` false), so
+    no SFT reads it; ``meta.resolved`` says whether the expert's session resolved."""
     from opencomposer.agent.backends.scripted import ScriptedModel
 
     plans = []
     stats = DemoStats()
     for t in tasks:
-        solution = load_solution(t)  # raises for held-out tasks, before anything runs
-        plan = _plan(t, solution)
+        # raises for held-out tasks, before anything runs, unless for reference
+        solution = load_solution(t, reference=reference)
+        plan = _plan(t, solution, recovery=False if reference else None)
         if plan is None:
             stats.skipped += 1
             continue
@@ -756,19 +766,24 @@ async def record_demos(
         if ok and plan.must_fail:  # a wrong first edit that happened to pass tells a lie
             ok = _failed_as_planned(store.export(sid) or {}, plan)
         if sid:
-            extra = {"untrained_turns": [i + 1 for i in plan.untrained]} if plan.untrained else {}
+            extra: dict[str, Any] = {}
+            if plan.untrained:
+                extra["untrained_turns"] = [i + 1 for i in plan.untrained]
+            if reference:
+                extra = {"resolved": ok}
             store.set_meta(
                 sid,
-                source="demo",
+                source="reference" if reference else "demo",
                 task_id=task.id,
                 request=request_key(task),
-                accepted=ok,
+                accepted=ok and not reference,
                 reward=res.reward,
                 **extra,
                 **(meta or {}),
             )
         if ok:
-            store.record_decision(sid, "*", "accept")
+            if not reference:
+                store.record_decision(sid, "*", "accept")
             stats.accepted += 1
             stats.session_ids.append(sid)
         else:

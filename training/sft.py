@@ -51,13 +51,16 @@ class SftData:
 
 def accepted(trace: dict[str, Any]) -> bool:
     """Completed, and accepted: its edits accepted (none rejected or undone), or
-    marked ``meta.accepted`` (sessions without edits, demonstrations)."""
+    marked ``meta.accepted`` (sessions without edits, demonstrations). Never a
+    reference session (`demos.record_demos`, held-out tasks included)."""
     if trace.get("status") != "completed":
         return False
     decisions = {e.get("decision") for e in trace.get("edits", [])}
     if decisions & {"reject", "undo"}:
         return False
     meta = trace.get("meta") or {}
+    if meta.get("source") == "reference":  # a held-out task's expert session: evaluation only
+        return False
     if "accepted" in meta:
         return bool(meta["accepted"])
     return "accept" in decisions

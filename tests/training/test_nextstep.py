@@ -1,0 +1,242 @@
+"""Next-step accuracy (`training/nextstep.py`): reference sessions of held-out tasks,
+played through the real sandbox and never trained on, and the scoring of a policy's
+reply at each of their steps.
+
+    .venv/bin/python -m pytest tests/training/test_nextstep.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+from opencomposer.agent.protocols import ModelError, TurnOutput
+from opencomposer.agent.traces import TraceStore
+from opencomposer.training import nextstep
+from opencomposer.training.demos import DemoError, load_solution, record_demos
+from opencomposer.training.nextstep import Tally, reference_steps, score, tally
+from opencomposer.training.sft import accepted, samples_from_traces
+from opencomposer.training.tasks import load_task, write_task
+
+EDIT = '<edit_file path="a.py">\n<old>    x = 1</old>\n<new>    x = 2</new>\n</edit_file>'
+
+
+@pytest.mark.parametrize(
+    ("want", "got", "expected"),
+    [
+        (EDIT, "Fixing it.\n" + EDIT, [("edit_file", True, True)]),
+        # the right line, the wrong change: the point of the step, not the step
+        (EDIT, EDIT.replace("x = 2", "x = 3"), [("edit_file", False, True)]),
+        (EDIT, EDIT.replace("x = 1", "y = 1"), [("edit_file", False, False)]),
+        (EDIT, EDIT.replace("a.py", "b.py"), [("edit_file", False, False)]),
+        (EDIT, "Done.", [("edit_file", False, False)]),
+        (
+            '<read_file path="a.py" start_line="10" end_line="49"/>',
+            '<read_file path="a.py" start_line="1" end_line="30"/>',
+            [("read_file", False, True)],
+        ),
+        (
+            '<read_file path="a.py" start_line="10" end_line="49"/>',
+            '<read_file path="a.py" start_line="11" end_line="49"/>',
+            [("read_file", False, False)],
+        ),
+        (
+            '<read_file path="a.py" start_line="10"/>',
+            '<read_file path="a.py"/>',
+            [("read_file", False, True)],
+        ),
+        (
+            '<grep pattern="def f\\b" glob="*.py"/>',
+            '<grep pattern="def f\\b" path="src"/>',
+            [("grep", False, True)],
+        ),
+        (
+            "<run_terminal>\n<command>python -m pytest -q t.py</command>\n</run_terminal>",
+            "<run_terminal>\n<command>python -m pytest -x</command>\n</run_terminal>",
+            [("run_terminal", False, True)],
+        ),
+        ("Fixed it; the test passes.", "The bug was here.", [("answer", True, True)]),
+        ("Fixed it; the test passes.", '<read_file path="a.py"/>', [("answer", False, False)]),
+        # each of the engineer's calls is judged on its own
+        (
+            '<read_file path="a.py"/>\n<read_file path="b.py"/>',
+            '<read_file path="b.py"/>',
+            [("read_file", False, False), ("read_file", True, True)],
+        ),
+        # a malformed call (here cut off by the token budget) is no call
+        (
+            EDIT,
+            '<edit_file path="a.py">\n<old>    x = 1</old>\n<new>    x',
+            [("edit_file", False, False)],
+        ),
+    ],
+)
+def test_a_reply_is_scored_against_the_engineers_calls(want, got, expected):
+    assert score(want, got) == expected
+
+
+def _trace(sid, meta, texts):
+    return {
+        "session_id": sid,
+        "meta": meta,
+        "turns": [
+            {"turn": i + 1, "messages": [{"role": "user", "content": f"{sid}/{i}"}], "text": t}
+            for i, t in enumerate(texts)
+        ],
+    }
+
+
+def test_only_resolved_reference_sessions_give_steps():
+    traces = [
+        _trace("a", {"source": "reference", "resolved": True, "task_id": "t1"}, ["x", "y"]),
+        _trace("b", {"source": "reference", "resolved": False, "task_id": "t2"}, ["x"]),
+        _trace("c", {"source": "demo", "accepted": True, "task_id": "t3"}, ["x"]),
+        _trace("d", {"source": "reference", "resolved": True, "task_id": "t4"}, ["z"]),
+    ]
+    assert [(s.session_id, s.turn) for s in reference_steps(traces)] == [
+        ("a", 1),
+        ("a", 2),
+        ("d", 1),
+    ]
+    assert [s.task_id for s in reference_steps(traces, ["t4", "t2"])] == ["t4"]
+
+
+def test_a_reference_session_is_never_trained_on():
+    tr = {"status": "completed", "edits": [], "meta": {"source": "reference", "accepted": True}}
+    assert not accepted(tr)
+
+
+def test_a_step_the_model_cannot_answer_is_left_out():
+    tr = _trace("a", {"source": "reference", "resolved": True}, [EDIT, "Done."])
+    steps = reference_steps([tr])
+    too_long = ModelError("the prompt is 8468 tokens, over the model's context window of 8192")
+    got = asyncio.run(nextstep.replies(Oracle({"a/0": too_long, "a/1": "Done."}), steps))
+    assert got[0] is too_long and got[1] == "Done."
+    assert tally(steps, got) == {"answer": Tally(n=1, exact=1, part=1)}
+
+
+CART = "class Cart:\n    def __init__(self):\n        self.items = []\n\n    def subtotal(self):\n        return sum(p for p, q in self.items)\n"
+WORKSPACE = {
+    "shop/__init__.py": "",
+    "shop/cart.py": CART,
+    "tests/test_cart.py": (
+        "from shop.cart import Cart\n\n\n"
+        "def test_subtotal():\n"
+        "    cart = Cart()\n"
+        "    cart.items += [(2.0, 3), (1.0, 1)]\n"
+        "    assert cart.subtotal() == 7.0\n"
+    ),
+}
+SOLUTION = {
+    "functions": ["Cart.subtotal"],
+    "kind": "dropped factor",
+    "answer": "Fixed.",
+    "edits": [
+        {
+            "path": "shop/cart.py",
+            "old": "        return sum(p for p, q in self.items)",
+            "new": "        return sum(p * q for p, q in self.items)",
+            "line": 6,
+        }
+    ],
+}
+
+
+class Oracle:
+    """A model whose reply to a step's prompt is given by a table (others: one line)."""
+
+    name = "oracle"
+    context_window = 8192
+
+    def __init__(self, table):
+        self.table = table
+
+    def stream(self, messages, sampling):
+        assert sampling.temperature == 0.0
+        text = self.table.get(messages[-1].content, "I do not know.")
+
+        class Stream:
+            output = None
+
+            def __aiter__(self):
+                return self.gen()
+
+            async def gen(self):
+                if isinstance(text, Exception):
+                    raise text
+                yield text
+                self.output = TurnOutput(text=text)
+
+            async def aclose(self):
+                pass
+
+        return Stream()
+
+    def count_tokens(self, text):
+        return len(text)
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_held_out_references_play_in_the_sandbox_and_score_a_policy(tmp_path):
+    from opencomposer.training.env import EnvConfig
+
+    repo = tmp_path / "repo"
+    for name, text in WORKSPACE.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    folder = write_task(
+        tmp_path / "task",
+        query="Fix Cart.subtotal in shop/cart.py: the test test_subtotal fails.",
+        verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
+        repo_dir=repo,
+        protect=["tests/test_cart.py"],
+        split="heldout",
+        source="corpus:cart",
+    )
+    (folder / "solution.json").write_text(json.dumps(SOLUTION))
+    task = load_task(folder)
+    # the training paths still refuse it
+    with pytest.raises(DemoError, match="held out"):
+        load_solution(task)
+    with pytest.raises(DemoError, match="held out"):
+        asyncio.run(record_demos([task], env=None, store=None, session_config=None))
+
+    db = tmp_path / "reference.db"
+    env = EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64)
+    stats = asyncio.run(
+        nextstep.record_references([task], db, prompt_style="compact", env_config=env)
+    )
+    assert stats.recorded == stats.accepted == 1, stats.failed
+    again = asyncio.run(
+        nextstep.record_references([task], db, prompt_style="compact", env_config=env)
+    )
+    assert again.recorded == 0  # already there
+    traces = nextstep.load_references(db)
+    assert len(traces) == 1
+    tr = traces[0]
+    assert tr["meta"]["source"] == "reference" and tr["meta"]["resolved"] is True
+    assert not accepted(tr) and samples_from_traces(traces).sessions_used == 0
+    store = TraceStore(db)
+    assert all(e["decision"] != "accept" for e in store.export(tr["session_id"])["edits"])
+    store.close()
+
+    steps = reference_steps(traces, [task.id])
+    assert len(steps) == len(tr["turns"]) >= 3  # look, edit, rerun, answer
+    kinds = [k for s in steps for k, _, _ in score(s.text, s.text)]
+    assert "edit_file" in kinds and kinds[-1] == "answer"
+
+    # a policy that replies as the engineer did matches every step; one that answers
+    # at once matches only the answer
+    perfect = Oracle({s.messages[-1]["content"]: s.text for s in steps})
+    got = asyncio.run(nextstep.replies(perfect, steps, concurrency=2))
+    assert got == [s.text for s in steps]
+    full = tally(steps, got)
+    assert all(t.exact == t.part == t.n for t in full.values())
+    lazy = tally(steps, asyncio.run(nextstep.replies(Oracle({}), steps)))
+    assert lazy["answer"] == Tally(n=1, exact=1, part=1)
+    assert all(t.exact == t.part == 0 for k, t in lazy.items() if k != "answer")

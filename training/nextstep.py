@@ -1,0 +1,212 @@
+"""Next-step accuracy: what a policy does at each step of an engineer's session.
+
+A held-out resolve rate moves in steps of 1/N, costs tens of seconds an episode here,
+and does not say *where* a policy goes wrong: one wrong grep in the first turn and
+every later step happens in a state no demonstration showed. This measures each step
+alone, on held-out projects:
+
+1. an engineer's session (`demos.expert_plan`, without a wrong first edit) is played
+   on each held-out task through the production Session, tools and a `TraceStore`:
+   a *reference* session (`demos.record_demos(reference=True)`). It is never
+   accepted, so no training reads it; only sessions that resolved their task are used;
+2. at every assistant turn of it, the policy gets that turn's exact prompt (the
+   request and the real tool results so far) and answers greedily;
+3. its calls are compared with the engineer's: ``exact`` (the same call, attribute for
+   attribute) and ``part`` (the step's point, by tool: `edit_file` the same ``<old>``
+   in the same file, the right line whatever the change; `read_file` a range of the
+   same file that holds the engineer's first line; `grep` the same pattern;
+   `run_terminal` a pytest command; `codebase_search` any search); a turn without
+   calls, the answer, matches a reply without calls.
+
+    python benchmarks/next_step.py --model sft=vllm:runs/embedded/checkpoints/step_0
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent.protocols import ModelError
+
+ANSWER = "answer"  # the step kind of a turn without calls
+
+
+@dataclass(frozen=True)
+class Step:
+    """One assistant turn of a reference session: its prompt and the engineer's reply."""
+
+    session_id: str
+    task_id: str
+    turn: int
+    messages: list[dict[str, str]] = field(hash=False)
+    text: str = field(hash=False)
+
+
+@dataclass
+class Tally:
+    n: int = 0
+    exact: int = 0
+    part: int = 0
+
+    def add(self, exact: bool, part: bool) -> None:
+        self.n += 1
+        self.exact += int(exact)
+        self.part += int(part)
+
+
+def calls_of(text: str) -> list[tuple[str, dict[str, str]]]:
+    """The well-formed tool calls of a reply, as the production parser reads them."""
+    from opencomposer.agent.xmlcalls import parse_all
+    from opencomposer.tools.specs import parser_rules
+
+    return [(c.name, dict(c.raw)) for c in parse_all(text, *parser_rules()) if not c.error]
+
+
+def _int(value: str | None, default: int) -> int:
+    try:
+        return int(str(value).strip())
+    except (TypeError, ValueError):
+        return default
+
+
+def same_point(name: str, want: dict[str, str], got: dict[str, str]) -> bool:
+    """Whether ``got``, a call of the same tool as ``want``, does what the step is for
+    (see the module doc)."""
+    if name == "edit_file":
+        return got.get("path") == want.get("path") and got.get("old") == want.get("old")
+    if name == "read_file":
+        if got.get("path") != want.get("path"):
+            return False
+        first = _int(want.get("start_line"), 1)
+        lo, hi = _int(got.get("start_line"), 1), _int(got.get("end_line"), 1 << 30)
+        return lo <= first <= hi
+    if name == "grep":
+        return got.get("pattern") == want.get("pattern")
+    if name == "run_terminal":
+        return "pytest" in got.get("command", "")
+    return True
+
+
+def score(want_text: str, got_text: str) -> list[tuple[str, bool, bool]]:
+    """(step kind, exact, part) for each call of the engineer's reply ``want_text``
+    (one ``answer`` step when it has none), judged against the policy's ``got_text``."""
+    want, got = calls_of(want_text), calls_of(got_text)
+    if not want:
+        return [(ANSWER, not got, not got)]
+    out = []
+    for name, args in want:
+        exact = (name, args) in got
+        part = exact or any(g == name and same_point(name, args, a) for g, a in got)
+        out.append((name, exact, part))
+    return out
+
+
+def reference_steps(traces: Sequence[dict[str, Any]], task_ids: Sequence[str] = ()) -> list[Step]:
+    """The steps of the reference sessions (`TraceStore.export` dicts) that resolved
+    their task, of ``task_ids`` only when given."""
+    wanted = set(task_ids)
+    steps = []
+    for tr in traces:
+        meta = tr.get("meta") or {}
+        if meta.get("source") != "reference" or not meta.get("resolved"):
+            continue
+        if wanted and meta.get("task_id") not in wanted:
+            continue
+        for t in tr.get("turns", []):
+            if t.get("messages"):
+                steps.append(
+                    Step(
+                        session_id=str(tr.get("session_id", "")),
+                        task_id=str(meta.get("task_id", "")),
+                        turn=int(t.get("turn", 0)),
+                        messages=list(t["messages"]),
+                        text=str(t.get("text") or ""),
+                    )
+                )
+    return steps
+
+
+async def replies(
+    model: Any, steps: Sequence[Step], *, concurrency: int = 6, max_tokens: int = 300
+) -> list[str | ModelError]:
+    """The model's greedy reply at each step (the backend batches concurrent ones), or
+    the `ModelError` of a step it could not answer (a prompt over its context window)."""
+    from opencomposer.agent.protocols import Message, Sampling
+
+    gate = asyncio.Semaphore(max(1, concurrency))
+    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+
+    async def one(step: Step) -> str | ModelError:
+        msgs = [Message(role=m["role"], content=m["content"]) for m in step.messages]  # type: ignore[arg-type]
+        async with gate:
+            stream = model.stream(msgs, sampling)
+            try:
+                async for _ in stream:
+                    pass
+            except ModelError as e:
+                return e
+        return stream.output.text if stream.output else ""
+
+    return list(await asyncio.gather(*(one(s) for s in steps)))
+
+
+def tally(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, Tally]:
+    """Per step kind, how many of the engineer's calls the replies matched; a step the
+    model could not answer is left out."""
+    out: dict[str, Tally] = {}
+    for step, text in zip(steps, got, strict=True):
+        if isinstance(text, ModelError):
+            continue
+        for kind, exact, part in score(step.text, text):
+            out.setdefault(kind, Tally()).add(exact, part)
+    return out
+
+
+def load_references(db: Path) -> list[dict[str, Any]]:
+    """Every reference session of the trace store at ``db``."""
+    from opencomposer.agent.traces import TraceStore
+
+    store = TraceStore(db)
+    try:
+        traces = [store.export(s["session_id"]) for s in store.list_sessions(100_000)]
+    finally:
+        store.close()
+    return [t for t in traces if t and (t.get("meta") or {}).get("source") == "reference"]
+
+
+async def record_references(
+    tasks: Sequence[Any], db: Path, *, prompt_style: str, env_config: Any = None
+) -> Any:
+    """Play the reference sessions of ``tasks`` not yet in the store at ``db``
+    (``env_config``: the environment server's, default two sandboxed workers)."""
+    from opencomposer.agent.traces import TraceStore
+    from opencomposer.training.demos import DemoStats, record_demos, request_key
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+    from opencomposer.training.sessions import demo_session_config
+
+    done = {
+        (m.get("task_id"), m.get("request"))
+        for m in ((t.get("meta") or {}) for t in load_references(db))
+        if m.get("prompt_style") == prompt_style
+    }
+    todo = [t for t in tasks if (t.id, request_key(t)) not in done]
+    if not todo:
+        return DemoStats()
+    store = TraceStore(db)
+    env = EnvironmentServer(env_config or EnvConfig(num_actors=2))
+    try:
+        await env.start()
+        return await record_demos(
+            todo,
+            env=env,
+            store=store,
+            session_config=demo_session_config(prompt_style=prompt_style),
+            meta={"prompt_style": prompt_style},
+            reference=True,
+        )
+    finally:
+        await env.close()
+        store.close()
