@@ -47,6 +47,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def parse_models(ap: argparse.ArgumentParser, values: list[str]) -> list[tuple[str, str]]:
+    """(label, spec) of each ``--model LABEL=SPEC``; a malformed one is a usage error."""
+    models = []
+    for m in values:
+        label, sep, spec = m.partition("=")
+        if not sep or not label or not spec:
+            ap.error(f"--model {m!r}: expected LABEL=SPEC")
+        models.append((label, spec))
+    return models
+
+
 def run_models(run: Path) -> list[tuple[str, str]]:
     """(label, spec) of the run's warm-start and newest checkpoints, where present."""
     root = run / "checkpoints"
@@ -160,12 +171,7 @@ def main() -> int:
 
     from opencomposer.training.bench import run_bench
 
-    models: list[tuple[str, str]] = []
-    for m in a.model:
-        label, sep, spec = m.partition("=")
-        if not sep or not label or not spec:
-            ap.error(f"--model {m!r}: expected LABEL=SPEC")
-        models.append((label, spec))
+    models = parse_models(ap, a.model)
     if not models:
         models = [("base", "smollm2-base"), *run_models(a.run)]
     suite = Path(tempfile.mkdtemp(prefix="heldout-"))

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from heldout import cpu_model  # noqa: E402
+from heldout import cpu_model, parse_models  # noqa: E402
 
 KINDS = ("run_terminal", "grep", "codebase_search", "read_file", "edit_file", "answer")
 
@@ -76,12 +76,7 @@ def main() -> int:
         tally,
     )
 
-    models = []
-    for m in a.model:
-        label, sep, spec = m.partition("=")
-        if not sep or not label or not spec:
-            ap.error(f"--model {m!r}: expected LABEL=SPEC")
-        models.append((label, spec))
+    models = parse_models(ap, a.model)
     if not models:
         models = [("base", "vllm:smollm2-base"), ("shipped", "vllm:smollm2")]
     tasks = spread(load_suite("corpus:heldout"), a.tasks, a.seed)

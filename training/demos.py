@@ -848,27 +848,42 @@ def pending(store: Any, tasks: Sequence[Any], *, style: str, limit: int, seed: i
 async def _main(suite: str, db: Path, prompt_style: str, limit: int, seed: int) -> DemoStats:
     from opencomposer.agent.traces import TraceStore
     from opencomposer.training.catalog import load_suite
-    from opencomposer.training.env import EnvConfig, EnvironmentServer
 
     store = TraceStore(db)
     try:
         todo = pending(store, load_suite(suite), style=prompt_style, limit=limit, seed=seed)
-        if not todo:
-            return DemoStats()
-        env = EnvironmentServer(EnvConfig(num_actors=2))
-        try:
-            await env.start()
-            return await record_demos(
-                todo,
-                env=env,
-                store=store,
-                session_config=demo_session_config(prompt_style=prompt_style),
-                meta={"prompt_style": prompt_style},
-            )
-        finally:
-            await env.close()
+        return await play(todo, store, prompt_style=prompt_style)
     finally:
         store.close()
+
+
+async def play(
+    tasks: Sequence[Any],
+    store: Any,
+    *,
+    prompt_style: str,
+    env_config: Any = None,
+    reference: bool = False,
+) -> DemoStats:
+    """`record_demos` of ``tasks`` into ``store`` on an environment server of its own
+    (``env_config``: default two sandboxed workers), in ``prompt_style``."""
+    from opencomposer.training.env import EnvConfig, EnvironmentServer
+
+    if not tasks:
+        return DemoStats()
+    env = EnvironmentServer(env_config or EnvConfig(num_actors=2))
+    try:
+        await env.start()
+        return await record_demos(
+            tasks,
+            env=env,
+            store=store,
+            session_config=demo_session_config(prompt_style=prompt_style),
+            meta={"prompt_style": prompt_style},
+            reference=reference,
+        )
+    finally:
+        await env.close()
 
 
 if __name__ == "__main__":

@@ -183,9 +183,7 @@ async def record_references(
     """Play the reference sessions of ``tasks`` not yet in the store at ``db``
     (``env_config``: the environment server's, default two sandboxed workers)."""
     from opencomposer.agent.traces import TraceStore
-    from opencomposer.training.demos import DemoStats, record_demos, request_key
-    from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.sessions import demo_session_config
+    from opencomposer.training.demos import play, request_key
 
     done = {
         (m.get("task_id"), m.get("request"))
@@ -193,20 +191,10 @@ async def record_references(
         if m.get("prompt_style") == prompt_style
     }
     todo = [t for t in tasks if (t.id, request_key(t)) not in done]
-    if not todo:
-        return DemoStats()
     store = TraceStore(db)
-    env = EnvironmentServer(env_config or EnvConfig(num_actors=2))
     try:
-        await env.start()
-        return await record_demos(
-            todo,
-            env=env,
-            store=store,
-            session_config=demo_session_config(prompt_style=prompt_style),
-            meta={"prompt_style": prompt_style},
-            reference=True,
+        return await play(
+            todo, store, prompt_style=prompt_style, env_config=env_config, reference=True
         )
     finally:
-        await env.close()
         store.close()
