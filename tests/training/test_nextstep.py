@@ -20,6 +20,8 @@ from opencomposer.training.nextstep import Tally, reference_steps, score, tally
 from opencomposer.training.sft import accepted, samples_from_traces
 from opencomposer.training.tasks import load_task, write_task
 
+from tests.training.test_rl_demos import CART_WORKSPACE, LINE_SOLUTION, ONE_LINE
+
 EDIT = '<edit_file path="a.py">\n<old>    x = 1</old>\n<new>    x = 2</new>\n</edit_file>'
 
 
@@ -117,33 +119,6 @@ def test_a_step_the_model_cannot_answer_is_left_out():
     assert tally(steps, got) == {"answer": Tally(n=1, exact=1, part=1)}
 
 
-CART = "class Cart:\n    def __init__(self):\n        self.items = []\n\n    def subtotal(self):\n        return sum(p for p, q in self.items)\n"
-WORKSPACE = {
-    "shop/__init__.py": "",
-    "shop/cart.py": CART,
-    "tests/test_cart.py": (
-        "from shop.cart import Cart\n\n\n"
-        "def test_subtotal():\n"
-        "    cart = Cart()\n"
-        "    cart.items += [(2.0, 3), (1.0, 1)]\n"
-        "    assert cart.subtotal() == 7.0\n"
-    ),
-}
-SOLUTION = {
-    "functions": ["Cart.subtotal"],
-    "kind": "dropped factor",
-    "answer": "Fixed.",
-    "edits": [
-        {
-            "path": "shop/cart.py",
-            "old": "        return sum(p for p, q in self.items)",
-            "new": "        return sum(p * q for p, q in self.items)",
-            "line": 6,
-        }
-    ],
-}
-
-
 class Oracle:
     """A model whose reply to a step's prompt is given by a table (others: one line)."""
 
@@ -186,19 +161,19 @@ def test_held_out_references_play_in_the_sandbox_and_score_a_policy(tmp_path):
     from opencomposer.training.env import EnvConfig
 
     repo = tmp_path / "repo"
-    for name, text in WORKSPACE.items():
+    for name, text in CART_WORKSPACE.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
     folder = write_task(
         tmp_path / "task",
-        query="Fix Cart.subtotal in shop/cart.py: the test test_subtotal fails.",
+        query=ONE_LINE,
         verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
         repo_dir=repo,
         protect=["tests/test_cart.py"],
         split="heldout",
         source="corpus:cart",
     )
-    (folder / "solution.json").write_text(json.dumps(SOLUTION))
+    (folder / "solution.json").write_text(json.dumps({**LINE_SOLUTION, "answer": "Fixed."}))
     task = load_task(folder)
     # the training paths still refuse it
     with pytest.raises(DemoError, match="held out"):

@@ -57,24 +57,10 @@ def tokenizer():
 
 def record_in_sandbox(tasks, store, tmp_path):
     """`record_demos` through a real environment server (Ray, bubblewrap)."""
-    from opencomposer.training.env import EnvConfig, EnvironmentServer
-    from opencomposer.training.sessions import demo_session_config
+    from opencomposer.training.env import EnvConfig
 
-    async def go():
-        env = EnvironmentServer(EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64))
-        try:
-            await env.start()
-            return await record_demos(
-                tasks,
-                env=env,
-                store=store,
-                session_config=demo_session_config(prompt_style="compact"),
-                meta={"prompt_style": "compact"},
-            )
-        finally:
-            await env.close()
-
-    return asyncio.run(go())
+    env = EnvConfig(num_actors=1, root=tmp_path / "ws", disk_mb=64)
+    return asyncio.run(demos.play(tasks, store, prompt_style="compact", env_config=env))
 
 
 def by_kind(tasks, kind, split="train"):
