@@ -30,8 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from heldout import cpu_model, parse_models  # noqa: E402
+from opencomposer.tools.specs import (  # noqa: E402
+    CODEBASE_SEARCH,
+    EDIT_FILE,
+    GREP,
+    READ_FILE,
+    RUN_TERMINAL,
+)
+from opencomposer.training.nextstep import ANSWER  # noqa: E402
 
-KINDS = ("run_terminal", "grep", "codebase_search", "read_file", "edit_file", "answer")
+KINDS = (RUN_TERMINAL, GREP, CODEBASE_SEARCH, READ_FILE, EDIT_FILE, ANSWER)
 
 
 def table(rows: dict[str, dict[str, dict[str, int]]]) -> str:
@@ -124,7 +132,7 @@ def main() -> int:
             print(f"{label}: {len(failed)} steps left out: {failed[0]}", flush=True)
         counts = tally(steps, got)
         rows[label] = {k: vars(v) for k, v in counts.items()}
-        edit = counts.get("edit_file")
+        edit = counts.get(EDIT_FILE)
         said = (
             f", edit_file {edit.exact}/{edit.n} exact, {edit.part} on the right line"
             if edit

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from opencomposer.agent.protocols import ModelError
+from opencomposer.tools.specs import EDIT_FILE, GREP, READ_FILE, RUN_TERMINAL
 
 ANSWER = "answer"  # the step kind of a turn without calls
 
@@ -75,17 +76,17 @@ def _int(value: str | None, default: int) -> int:
 def same_point(name: str, want: dict[str, str], got: dict[str, str]) -> bool:
     """Whether ``got``, a call of the same tool as ``want``, does what the step is for
     (see the module doc)."""
-    if name == "edit_file":
+    if name == EDIT_FILE:
         return got.get("path") == want.get("path") and got.get("old") == want.get("old")
-    if name == "read_file":
+    if name == READ_FILE:
         if got.get("path") != want.get("path"):
             return False
         first = _int(want.get("start_line"), 1)
         lo, hi = _int(got.get("start_line"), 1), _int(got.get("end_line"), 1 << 30)
         return lo <= first <= hi
-    if name == "grep":
+    if name == GREP:
         return got.get("pattern") == want.get("pattern")
-    if name == "run_terminal":
+    if name == RUN_TERMINAL:
         return "pytest" in got.get("command", "")
     return True
 
