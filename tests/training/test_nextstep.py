@@ -8,7 +8,6 @@ reply at each of their steps.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 
 import pytest
@@ -18,9 +17,8 @@ from opencomposer.training import nextstep
 from opencomposer.training.demos import DemoError, load_solution, record_demos
 from opencomposer.training.nextstep import Tally, reference_steps, score, tally
 from opencomposer.training.sft import accepted, samples_from_traces
-from opencomposer.training.tasks import load_task, write_task
 
-from tests.training.test_rl_demos import CART_WORKSPACE, LINE_SOLUTION, ONE_LINE
+from tests.training.test_rl_demos import cart_task
 
 EDIT = '<edit_file path="a.py">\n<old>    x = 1</old>\n<new>    x = 2</new>\n</edit_file>'
 
@@ -160,21 +158,7 @@ class Oracle:
 def test_held_out_references_play_in_the_sandbox_and_score_a_policy(tmp_path):
     from opencomposer.training.env import EnvConfig
 
-    repo = tmp_path / "repo"
-    for name, text in CART_WORKSPACE.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    folder = write_task(
-        tmp_path / "task",
-        query=ONE_LINE,
-        verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
-        repo_dir=repo,
-        protect=["tests/test_cart.py"],
-        split="heldout",
-        source="corpus:cart",
-    )
-    (folder / "solution.json").write_text(json.dumps({**LINE_SOLUTION, "answer": "Fixed."}))
-    task = load_task(folder)
+    task = cart_task(tmp_path, split="heldout")
     # the training paths still refuse it
     with pytest.raises(DemoError, match="held out"):
         load_solution(task)

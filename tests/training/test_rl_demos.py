@@ -401,10 +401,8 @@ CART_WORKSPACE = {
 }
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
-def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
-    """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
-    demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
+def cart_task(tmp_path, *, split):
+    """The cart workspace as a task folder (one-line request, the line fix as solution)."""
     repo = tmp_path / "repo"
     for name, text in CART_WORKSPACE.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
@@ -415,11 +413,18 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
         verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
         repo_dir=repo,
         protect=["tests/test_cart.py"],
-        split="train",
+        split=split,
         source="corpus:cart",
     )
     (folder / "solution.json").write_text(json.dumps({**LINE_SOLUTION, "answer": "Fixed."}))
-    task = load_task(folder)
+    return load_task(folder)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
+    """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
+    demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
+    task = cart_task(tmp_path, split="train")
     monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
     plan = demo_plan(task, load_solution(task))
     (k,) = plan.untrained
