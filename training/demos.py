@@ -407,6 +407,23 @@ def change_words(old: str, new: str) -> str | None:
     return None if found is None else f"`{found[0]}` should be `{found[1]}`"
 
 
+def quoted_line(old: str, new: str) -> str | None:
+    """The first line that ``old -> new`` changes, stripped, as the fixing turn quotes
+    it; None where there is none, or it is too long or holds a backquote to quote."""
+    a, b = old.splitlines(), new.splitlines()
+    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    changed = [
+        a[i].strip()
+        for tag, i1, i2, _, _ in sm.get_opcodes()
+        if tag != "equal"
+        for i in range(i1, i2)
+    ]
+    line = changed[0] if changed else ""
+    if not line or len(line) > CHANGE_WORDS_MAX or "`" in line:
+        return None
+    return line
+
+
 def said_change(old: str, new: str) -> str | None:
     """`change_words` with the line it changes quoted first ("in `return None`, `None`
     should be `value`"), so that the ``edit_file`` call after it copies both its
@@ -417,16 +434,8 @@ def said_change(old: str, new: str) -> str | None:
     if found is None:
         return None
     words = f"`{found[0]}` should be `{found[1]}`"
-    a, b = old.splitlines(), new.splitlines()
-    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
-    changed = [
-        a[i].strip()
-        for tag, i1, i2, _, _ in sm.get_opcodes()
-        if tag != "equal"
-        for i in range(i1, i2)
-    ]
-    line = changed[0] if changed else ""
-    if not line or line == found[0] or len(line) > CHANGE_WORDS_MAX or "`" in line:
+    line = quoted_line(old, new)
+    if not line or line == found[0]:
         return words
     return f"in `{line}`, {words}"
 
@@ -624,16 +633,22 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     lines = ", ".join(f"line {line}" for _, _, line in sites)
 
     def fixing(changes: Sequence[tuple[str, str]]) -> list[str]:
+        # Where comes first, what kind of bug last: the quoted line is the choice the
+        # rest of the turn (the change, the edit's <old>) copies from, and a small
+        # model that starts with the kind commits to one before it has looked.
         said = [w for w in (said_change(o, n) for o, n in changes) if w]
+        kinds = _kind_words(kind)
         if len(said) != len(changes):
+            quoted = [q for q in (quoted_line(o, n) for o, n in changes) if q]
+            where = " and ".join(f"`{q}`" for q in quoted) or lines
             return [
-                f"{_kind_words(kind).capitalize()} at {lines}. Fixing it.",
-                f"Found it: {_kind_words(kind)}. Fixing {lines}.",
+                f"The bug is in {where} ({lines}): {kinds}. Fixing it.",
+                f"Found it: {where}, {kinds} at {lines}.",
             ]
         what = "; ".join(said)
         return [
-            f"{_kind_words(kind).capitalize()} at {lines}: {what}. Fixing it.",
-            f"Found it: {_kind_words(kind)} at {lines}; {what}.",
+            f"{what[0].upper()}{what[1:]} ({kinds}, {lines}). Fixing it.",
+            f"Found it: {what}; {kinds} at {lines}.",
         ]
 
     checking = ["Running the test again.", "Checking the fix."]

@@ -530,7 +530,10 @@ def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
     fix = plain.turns[-3]
     said = f"in `{CART_LINE.strip()}`, `p` should be `p * q`"
     assert said_change(CART_LINE, LINE_FIX["new"]) == said
-    assert said in fix.split("<edit_file")[0]
+    words = fix.split("<edit_file")[0]
+    assert said[1:] in words  # "in" or "In", as the sentence starts
+    # the line first, the kind of bug after it: the quote is what the edit copies
+    assert words.index(said[1:]) < words.index(demos._kind_words(SOLUTION["kind"]))
     plan = demo_plan(task, LINE_SOLUTION, recovery=True)
     (k,) = plan.untrained
     wrong = wrong_fix(task, LINE_FIX)
