@@ -70,6 +70,13 @@ def main() -> int:
     ap.add_argument("--prompt-style", default="compact", choices=["full", "compact"])
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "embedded")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=KINDS,
+        help="only the steps where the engineer makes this call (repeatable)",
+    )
     a = ap.parse_args()
 
     from opencomposer.agent.backends import make_model
@@ -81,6 +88,7 @@ def main() -> int:
         record_references,
         reference_steps,
         replies,
+        step_kinds,
         tally,
     )
 
@@ -106,6 +114,8 @@ def main() -> int:
         if (t.get("meta") or {}).get("prompt_style") == a.prompt_style
     ]
     steps = reference_steps(refs, [t.id for t in tasks])
+    if a.only:
+        steps = [s for s in steps if step_kinds(s) & set(a.only)]
     n_sessions = len({s.session_id for s in steps})
     print(
         f"next step: {len(steps)} steps of {n_sessions} resolved reference sessions "
@@ -116,6 +126,7 @@ def main() -> int:
     if not steps:
         raise SystemExit("error: no resolved reference session to measure on")
     rows: dict[str, dict[str, dict[str, int]]] = {}
+    answers: dict[str, list[dict[str, object]]] = {}
     for label, spec in models:
         t1 = time.perf_counter()
 
@@ -131,6 +142,10 @@ def main() -> int:
         if failed:
             print(f"{label}: {len(failed)} steps left out: {failed[0]}", flush=True)
         counts = tally(steps, got)
+        answers[label] = [
+            {"task": s.task_id, "turn": s.turn, "reply": str(g)}
+            for s, g in zip(steps, got, strict=True)
+        ]
         rows[label] = {k: vars(v) for k, v in counts.items()}
         edit = counts.get(EDIT_FILE)
         said = (
@@ -150,11 +165,14 @@ def main() -> int:
         "cpu": cpu_model(),
         "load": os.getloadavg()[0],
         "models": dict(models),
+        "only": a.only,
         "counts": rows,
+        "replies": answers,
     }
     title = (
         f"Next-step accuracy: {len(steps)} steps of {n_sessions} reference sessions on "
-        f"held-out projects; {cpu_model()}"
+        f"held-out projects{' (' + ', '.join(a.only) + ' steps only)' if a.only else ''}; "
+        f"{cpu_model()}"
     )
     (a.out / "next_step.json").write_text(json.dumps(meta, indent=1) + "\n")
     (a.out / "next_step.md").write_text(f"{title}\n\n{md}\n")

@@ -154,6 +154,11 @@ async def replies(
     return list(await asyncio.gather(*(one(s) for s in steps)))
 
 
+def step_kinds(step: Step) -> set[str]:
+    """The kinds of call the engineer makes at ``step`` (``answer`` for none)."""
+    return {name for name, _ in calls_of(step.text)} or {ANSWER}
+
+
 def tally(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, Tally]:
     """Per step kind, how many of the engineer's calls the replies matched; a step the
     model could not answer is left out."""

@@ -103,6 +103,25 @@ def test_only_resolved_reference_sessions_give_steps():
     assert [s.task_id for s in reference_steps(traces, ["t4", "t2"])] == ["t4"]
 
 
+def test_a_step_is_of_the_kinds_of_call_the_engineer_makes():
+    run = "<run_terminal>\n<command>pytest</command>\n</run_terminal>"
+    read = '<read_file path="a.py"/>'
+    steps = reference_steps(
+        [
+            _trace(
+                "a",
+                {"source": "reference", "resolved": True},
+                [f"Looking.\n{run}\n{read}", EDIT, "Fixed it."],
+            )
+        ]
+    )
+    assert [nextstep.step_kinds(s) for s in steps] == [
+        {"run_terminal", "read_file"},
+        {"edit_file"},
+        {"answer"},
+    ]
+
+
 def test_a_reference_session_is_never_trained_on():
     tr = {"status": "completed", "edits": [], "meta": {"source": "reference", "accepted": True}}
     assert not accepted(tr)
