@@ -454,6 +454,11 @@ def _called_name(function: str) -> str:
     return parts[-1]
 
 
+def _upper_first(text: str) -> str:
+    """``text`` as a sentence's start (``str.capitalize`` would lower the rest: code)."""
+    return text[:1].upper() + text[1:]
+
+
 def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> str:
     return "\n".join([rng.choice(options), *calls])
 
@@ -647,7 +652,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             ]
         what = "; ".join(said)
         return [
-            f"{what[0].upper()}{what[1:]} ({kinds}, {lines}). Fixing it.",
+            f"{_upper_first(what)} ({kinds}, {lines}). Fixing it.",
             f"Found it: {what}; {kinds} at {lines}.",
         ]
 
@@ -673,15 +678,14 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         must_fail = (len(turns),)
         turns.append(_say(rng, checking, [rerun]))
         again = said_change(wrong, str(e["new"]))
-        what = f": {again}" if again else ""
+        what = f"{_upper_first(again)} ({_kind_words(kind)}, {lines})" if again else ""
+        what = what or f"{_kind_words(kind).capitalize()} at {lines}"
         turns.append(
             _say(
                 rng,
                 [
-                    f"Still failing, so that was not it. {_kind_words(kind).capitalize()} "
-                    f"at {lines}{what}; correcting my edit.",
-                    f"The test still fails: my change was wrong. Looking again, it is "
-                    f"{_kind_words(kind)} at {lines}{what}.",
+                    f"Still failing, so that was not it. {what}; correcting my edit.",
+                    f"The test still fails: my change was wrong. Looking again: {what}.",
                 ],
                 [_edit_call(str(e["path"]), wrong, str(e["new"]))],
             )

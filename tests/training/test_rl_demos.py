@@ -541,5 +541,5 @@ def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
     said = plan.turns[k].split("<edit_file")[0]
     assert " should be `" in said and "`p * q`" not in said
     correction = plan.turns[k + 2].split("<edit_file")[0]
-    assert wrong is not None and said_change(wrong, LINE_FIX["new"]) in correction
+    assert wrong is not None and said_change(wrong, LINE_FIX["new"])[1:] in correction
     assert change_words(wrong, LINE_FIX["new"]) in correction
