@@ -735,6 +735,12 @@ def _failed_as_planned(trace: dict[str, Any], plan: Plan) -> bool:
     return True
 
 
+def playable(task: Any) -> bool:
+    """Whether a reference session of ``task`` (held-out ones included) can be played:
+    it has a solution and its request leads to the code."""
+    return _plan(task, load_solution(task, reference=True), recovery=False) is not None
+
+
 def demonstrable(task: Any) -> bool:
     """Whether `record_demos` can play ``task`` (a training task with a usable solution)."""
     return _plan(task, load_solution(task)) is not None

@@ -189,14 +189,16 @@ async def record_references(
     """Play the reference sessions of ``tasks`` not yet in the store at ``db``
     (``env_config``: the environment server's, default two sandboxed workers)."""
     from opencomposer.agent.traces import TraceStore
-    from opencomposer.training.demos import play, request_key
+    from opencomposer.training.demos import play, playable, request_key
 
     done = {
         (m.get("task_id"), m.get("request"))
         for m in ((t.get("meta") or {}) for t in load_references(db))
         if m.get("prompt_style") == prompt_style
     }
-    todo = [t for t in tasks if (t.id, request_key(t)) not in done]
+    # A task whose request leads no session to the code has no reference to play: left
+    # out here, so that a store holding every other one starts no environment server.
+    todo = [t for t in tasks if (t.id, request_key(t)) not in done and playable(t)]
     store = TraceStore(db)
     try:
         return await play(

@@ -14,7 +14,7 @@ import pytest
 from opencomposer.agent.protocols import ModelError, TurnOutput
 from opencomposer.agent.traces import TraceStore
 from opencomposer.training import nextstep
-from opencomposer.training.demos import DemoError, load_solution, record_demos
+from opencomposer.training.demos import DemoError, load_solution, playable, record_demos
 from opencomposer.training.nextstep import Tally, reference_steps, score, tally
 from opencomposer.training.sft import accepted, samples_from_traces
 
@@ -171,6 +171,22 @@ class Oracle:
 
     async def close(self):
         pass
+
+
+def test_a_request_that_leads_nowhere_starts_no_environment(tmp_path):
+    import dataclasses
+
+    task = cart_task(tmp_path, split="heldout")
+    vague = dataclasses.replace(task, query="Something is off in the shop; please have a look.")
+    assert playable(task) and not playable(vague)
+    # nothing to play: the environment server (here a config it could not start with)
+    # is never started
+    stats = asyncio.run(
+        nextstep.record_references(
+            [vague], tmp_path / "reference.db", prompt_style="compact", env_config=object()
+        )
+    )
+    assert stats.recorded == 0
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
