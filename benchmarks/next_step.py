@@ -12,6 +12,7 @@ pattern; `run_terminal`: a pytest run). One table, from this one run:
     python benchmarks/next_step.py --model sft=vllm:runs/embedded/checkpoints/step_0
     python benchmarks/next_step.py --tasks 40 --model base=vllm:smollm2-base \\
         --model sft=vllm:runs/embedded/checkpoints/step_0
+    python benchmarks/next_step.py --tasks 108 --only edit_file --model ...  # the fix step alone
 
 Outputs under `--out` (default `docs/embedded/`): `next_step.md` and `next_step.json`.
 """

@@ -678,8 +678,11 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         must_fail = (len(turns),)
         turns.append(_say(rng, checking, [rerun]))
         again = said_change(wrong, str(e["new"]))
-        what = f"{_upper_first(again)} ({_kind_words(kind)}, {lines})" if again else ""
-        what = what or f"{_kind_words(kind).capitalize()} at {lines}"
+        what = (
+            f"{_upper_first(again)} ({_kind_words(kind)}, {lines})"
+            if again
+            else f"{_upper_first(_kind_words(kind))} at {lines}"
+        )
         turns.append(
             _say(
                 rng,
