@@ -143,11 +143,78 @@ class Plan:
     """A demonstration: the assistant turns the scripted model plays, the turns the
     policy must not learn from (``untrained``: a wrong first edit, played so that the
     session shows its test still failing) and the turns whose test run must fail for
-    the story the next turns tell to be true (``must_fail``); indices into ``turns``."""
+    the story the next turns tell to be true (``must_fail``); indices into ``turns``.
+    ``grounded`` maps a turn's index to the broken lines it fixes (`TracebackTurn`):
+    played, that turn first says where the traceback points when it points at one."""
 
     turns: list[str]
     untrained: tuple[int, ...] = ()
     must_fail: tuple[int, ...] = ()
+    grounded: dict[int, tuple[tuple[str, int, str], ...]] = field(default_factory=dict)
+
+    def played(self) -> list[str | TracebackTurn]:
+        """The turns as the scripted model plays them."""
+        return [
+            TracebackTurn(t, self.grounded[i]) if i in self.grounded else t
+            for i, t in enumerate(self.turns)
+        ]
+
+
+# A frame of a pytest traceback (``--tb=short``: "src/pkg/mod.py:42: in func"; long
+# and native tracebacks differ, and are not read).
+_FRAME = re.compile(r"^(?P<path>\S+?\.py):(?P<line>\d+): in \S+", re.M)
+_RUN_RESULT = re.compile(
+    rf'<tool_result name="{RUN_TERMINAL}"[^>]*>\n(?P<out>.*?)\n</tool_result>', re.S
+)
+
+
+def last_run_output(messages: Sequence[Any]) -> str:
+    """The output of the latest ``run_terminal`` call in a conversation ('' if none)."""
+    for m in reversed(messages):
+        if m.role == "user" and m.kind == "tool_results":
+            outs = [r.group("out") for r in _RUN_RESULT.finditer(m.content)]
+            if outs:
+                return "\n".join(outs)
+    return ""
+
+
+def traceback_site(
+    output: str, sites: Sequence[tuple[str, int, str]]
+) -> tuple[str, int, str] | None:
+    """The site among ``sites`` (path, line, code) at which the traceback in ``output``
+    stops: the deepest frame in any of the sites' files is at that line. None when the
+    traceback does not reach those files (a failed assertion in the test) or stops at
+    another line of them (the bug only shows later)."""
+    files = {path for path, _, _ in sites}
+
+    def file_of(frame: str) -> str | None:
+        return next((p for p in files if frame == p or frame.endswith("/" + p)), None)
+
+    deepest = None
+    for m in _FRAME.finditer(output):
+        path = file_of(m.group("path"))
+        if path is not None:
+            deepest = (path, int(m.group("line")))
+    return next((s for s in sites if deepest == s[:2]), None)
+
+
+@dataclass(frozen=True)
+class TracebackTurn:
+    """A fixing turn that reads the failing run first: when the traceback stops at one
+    of the lines it fixes, it starts by saying so ("The traceback points to line 42 of
+    pkg/mod.py: `return x[i + 1]`."), so the policy learns that the last frame in the
+    code is where to look. Otherwise it is ``text`` as planned. A ``scripted:`` turn:
+    called with the conversation so far."""
+
+    text: str
+    sites: tuple[tuple[str, int, str], ...]
+
+    def __call__(self, messages: list[Any]) -> str:
+        site = traceback_site(last_run_output(messages), self.sites)
+        if site is None:
+            return self.text
+        path, line, code = site
+        return f"The traceback points to line {line} of {path}: `{code}`. {self.text}"
 
 
 def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
@@ -665,6 +732,9 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         wrong = wrong_fix(task, edits[0])
     untrained: tuple[int, ...] = ()
     must_fail: tuple[int, ...] = ()
+    code = {(p, ln): (files[p].splitlines()[ln - 1 : ln] or [""])[0].strip() for p, _, ln in sites}
+    broken = tuple((p, ln, code[p, ln]) for p, _, ln in sites if code[p, ln])
+    grounded = {len(turns): broken} if broken else {}
     if wrong is not None:
         e = edits[0]
         untrained = (len(turns),)
@@ -706,7 +776,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             ]
         )
     )
-    return Plan(turns=turns, untrained=untrained, must_fail=must_fail)
+    return Plan(turns=turns, untrained=untrained, must_fail=must_fail, grounded=grounded)
 
 
 # ---------------------------------------------------------------- recording
@@ -783,7 +853,7 @@ async def record_demos(
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(task: Any, plan: Plan) -> None:
-        model = ScriptedModel(plan.turns, name=f"scripted:demo/{task.id}")
+        model = ScriptedModel(plan.played(), name=f"scripted:demo/{task.id}")
         async with gate:
             res = await env.run_episode(
                 task, model_spec_or_factory=model, session_config=session_config, traces=store

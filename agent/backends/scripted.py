@@ -9,7 +9,9 @@ FILE is JSON::
 
 It is stateless across sessions: the turn played is the number of assistant
 messages already in the conversation, so every session starts from the first turn
-whatever the prompt, and a turn past the end is empty. Text streams in small
+whatever the prompt, and a turn past the end is empty. In code (not in FILE) a turn
+may also be a function of the conversation so far that returns the turn's text, so a
+scripted player can say what the tool results have shown. Text streams in small
 chunks paced against the stream's start (so total time is len/rate however slow the
 consumer), the first chunk at once. Token counts are a 4-characters-a-token
 estimate; there are no token ids.
@@ -21,6 +23,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opencomposer.agent.backends._stream import Emit, TaskStream
@@ -28,11 +31,13 @@ from opencomposer.agent.protocols import Message, ModelError, Sampling, TurnOutp
 
 CHUNKS_PER_SECOND = 50
 
+Turn = str | Callable[[list[Message]], str]
+
 
 class ScriptedModel:
     def __init__(
         self,
-        turns: list[str],
+        turns: Sequence[Turn],
         *,
         chars_per_second: float = 0.0,
         fail_after_chars: int | None = None,
@@ -40,7 +45,7 @@ class ScriptedModel:
         name: str = "scripted",
     ) -> None:
         self.name = name
-        self.turns = list(turns)
+        self.turns: list[Turn] = list(turns)
         self.chars_per_second = chars_per_second
         self.fail_after_chars = fail_after_chars
         self.context_window = context_window
@@ -80,7 +85,8 @@ class ScriptedModel:
 
     def stream(self, messages: list[Message], sampling: Sampling) -> TaskStream:
         index = sum(1 for m in messages if m.role == "assistant")
-        text = self.turns[index] if index < len(self.turns) else ""
+        turn = self.turns[index] if index < len(self.turns) else ""
+        text = turn if isinstance(turn, str) else turn(list(messages))
         prompt_tokens = sum(self.count_tokens(m.content) for m in messages)
 
         async def produce(out: TurnOutput, emit: Emit) -> None:

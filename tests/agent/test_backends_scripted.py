@@ -137,3 +137,18 @@ async def test_many_sessions_share_one_model() -> None:
     texts = await asyncio.gather(*(play(s) for s in streams))
     assert all("".join(t) == "abc" * 20 for t in texts)
     assert time.monotonic() - start < 0.6  # concurrent: 0.1 s each, not 0.8 s in a row
+
+
+async def test_a_turn_can_answer_what_the_conversation_shows() -> None:
+    """In code a turn may be a function of the conversation so far (a scripted player
+    that says what a tool result showed); it is called when the turn is played."""
+    seen: list[int] = []
+
+    def reply(messages: list[Message]) -> str:
+        seen.append(len(messages))
+        return f"saw {messages[-1].content}"
+
+    model = ScriptedModel(["first", reply])
+    assert await play(model.stream(convo(0), Sampling())) == ["first"]
+    assert await play(model.stream(convo(1), Sampling())) == ["saw <tool_result/>"]
+    assert seen == [4]

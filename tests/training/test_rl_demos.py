@@ -543,3 +543,105 @@ def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
     correction = plan.turns[k + 2].split("<edit_file")[0]
     assert wrong is not None and said_change(wrong, LINE_FIX["new"])[1:] in correction
     assert change_words(wrong, LINE_FIX["new"]) in correction
+
+
+SHORT_TB = (
+    "F\n"
+    "=================================== FAILURES ===================================\n"
+    "________________________________ test_subtotal _________________________________\n"
+    "tests/test_cart.py:7: in test_subtotal\n"
+    "    assert cart.subtotal() == 7.0\n"
+    "{frame}"
+    "E   AttributeError: 'Cart' object has no attribute 'itemz'\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("frames", "expected"),
+    [
+        ("shop/cart.py:6: in subtotal\n    return sum(p * q for p, q in self.itemz)\n", 6),
+        # the sandbox's absolute path, and a deeper frame in another file
+        (
+            "/workspace/shop/cart.py:6: in subtotal\n    x\n/usr/lib/python3/x.py:9: in f\n",
+            6,
+        ),
+        ("shop/cart.py:9: in total\n    return self.subtotal()\n", None),  # another line
+        ("", None),  # a failed assertion in the test: the code is not in the traceback
+        ("shop/cart.py:6: in subtotal\nshop/cart.py:9: in total\n", None),  # deepest wins
+    ],
+)
+def test_the_traceback_site_is_the_deepest_frame_in_the_fixed_file(frames, expected):
+    from opencomposer.training.demos import traceback_site
+
+    sites = [("shop/cart.py", 6, "return x"), ("shop/other.py", 3, "y")]
+    found = traceback_site(SHORT_TB.format(frame=frames), sites)
+    assert (found and found[1]) == expected
+
+
+def test_the_fixing_turn_says_where_the_traceback_points_when_it_points_at_the_fix(tmp_path):
+    from opencomposer.agent.executor import CallRecord, format_results
+    from opencomposer.tools.protocols import ToolResult
+    from opencomposer.training.demos import TracebackTurn
+
+    task = _corpus_task(tmp_path, ONE_LINE)
+    plan = demo_plan(task, LINE_SOLUTION, recovery=False)
+    (k,) = plan.grounded
+    assert k == len(plan.turns) - 3  # the fixing turn
+    turn = plan.played()[k]
+    assert isinstance(turn, TracebackTurn) and plan.played()[0] == plan.turns[0]
+
+    def results(output: str) -> Message:
+        rec = CallRecord("c0", 1, 0, "run_terminal", {}, result=ToolResult.error(output))
+        return Message(role="user", content=format_results([rec]), kind="tool_results")
+
+    here = SHORT_TB.format(frame=f"shop/cart.py:6: in subtotal\n{CART_LINE}\n")
+    said = turn([Message(role="user", content=ONE_LINE), results(here)])
+    assert (
+        said
+        == f"The traceback points to line 6 of shop/cart.py: `{CART_LINE.strip()}`. "
+        + (plan.turns[k])
+    )
+    # the latest run counts; an assertion failure in the test says nothing of the code
+    later = results(SHORT_TB.format(frame=""))
+    assert turn([results(here), later]) == plan.turns[k]
+    assert turn([Message(role="user", content=ONE_LINE)]) == plan.turns[k]
+
+
+BROKEN_CART = CART.replace("sum(p for p, q in self.items)", "sum(p * q for p, q in self.itemz)")
+ITEMZ_FIX = {
+    "path": "shop/cart.py",
+    "old": "        return sum(p * q for p, q in self.itemz)",
+    "new": "        return sum(p * q for p, q in self.items)",
+    "line": 6,
+}
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_demo_reads_the_traceback_of_its_own_failing_run(tmp_path, monkeypatch):
+    """Played in the sandbox: the test run raises in the broken line, so the recorded
+    fixing turn starts by pointing at it, from the run's own output."""
+    monkeypatch.setattr(demos, "RECOVERY_SHARE", 0.0)
+    repo = tmp_path / "repo"
+    for name, text in {**CART_WORKSPACE, "shop/cart.py": BROKEN_CART}.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    folder = write_task(
+        tmp_path / "task",
+        query=ONE_LINE,
+        verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
+        repo_dir=repo,
+        protect=["tests/test_cart.py"],
+        split="train",
+        source="corpus:cart",
+    )
+    solution = {**SOLUTION, "kind": "wrong variable", "edits": [ITEMZ_FIX], "answer": "Fixed."}
+    (folder / "solution.json").write_text(json.dumps(solution))
+    task = load_task(folder)
+    store = TraceStore(tmp_path / "demos.db")
+    stats = record_in_sandbox([task], store, tmp_path)
+    assert stats.accepted == stats.recorded == 1, stats.failed
+    tr = store.export(stats.session_ids[0])
+    store.close()
+    fixing = next(t["text"] for t in tr["turns"] if "<edit_file" in t["text"])
+    line = ITEMZ_FIX["old"].strip()
+    assert fixing.startswith(f"The traceback points to line 6 of shop/cart.py: `{line}`. ")
