@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -172,21 +173,55 @@ class SessionResult:
     error: str | None = None
 
 
+# Timings in a command's output ("1 failed in 0.12s", "0:00:03"), which differ between
+# two runs of the same failing test; masked when turns are compared for a loop.
+_TIMING = re.compile(r"\b\d+(?:\.\d+)?s\b|\b\d+:\d\d:\d\d\b")
+
+
+def _failing(turn: TurnRecord) -> list[tuple[str, str, str]] | None:
+    """A turn's calls with their errors, when every call it made failed; else None."""
+    if not turn.calls or any(c.result is None or c.result.status != "error" for c in turn.calls):
+        return None
+    return [(c.name, repr(c.args), c.result.output if c.result else "") for c in turn.calls]
+
+
+def _same(a: list[tuple[str, str, str]] | None, b: list[tuple[str, str, str]] | None) -> bool:
+    """Whether two failing turns made the same calls with the same errors, timings aside."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(
+        x[:2] == y[:2] and _TIMING.sub("#", x[2]) == _TIMING.sub("#", y[2])
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _first_error(calls: list[tuple[str, str, str]]) -> str:
+    name, _, output = calls[0]
+    lines = output.strip().splitlines() or [""]
+    return f"{name}: {lines[0][:160]}"
+
+
 def _stuck(turns: list[TurnRecord]) -> str:
-    """The first failed call and its error, if the last `STUCK_TURNS` turns made the
-    same calls, every one of them failing with the same output; else ""."""
-    if len(turns) < STUCK_TURNS:
-        return ""
-    keys = []
-    for t in turns[-STUCK_TURNS:]:
-        if not t.calls or any(c.result is None or c.result.status != "error" for c in t.calls):
-            return ""
-        keys.append([(c.name, repr(c.args), c.result and c.result.output) for c in t.calls])
-    if any(k != keys[0] for k in keys[1:]):
-        return ""
-    name, _, output = keys[0][0]
-    line = (output or "").strip().split("\n", 1)[0]
-    return f"{name}: {line[:160]}"
+    """Why the session is in a loop, or "": its last turns repeat one failing turn
+    (`STUCK_TURNS` in a row) or alternate between two (two full cycles, as a model does
+    that sends an edit that fails, reruns the failing test, and sends the edit again),
+    each call failing with the same output as the last time it was made (`_same`)."""
+    for period in (1, 2):
+        span = max(STUCK_TURNS, 2 * period)
+        keys = [_failing(t) for t in turns[-span:]]
+        if len(keys) < span or any(k is None for k in keys):
+            continue
+        if not all(_same(keys[i], keys[i - period]) for i in range(period, span)):
+            continue
+        said = [_first_error(k) for k in keys[-period:] if k]
+        if period == 1:
+            calls = "call" if len(keys[-1] or ()) == 1 else "calls"
+            return f"the model made the same failing {calls} {span} turns in a row ({said[0]})"
+        return (
+            f"the model alternated between the same two failing turns {span} turns in a row "
+            f"({'; '.join(said)})"
+        )
+    return ""
 
 
 class _End(Exception):
@@ -354,11 +389,7 @@ class Session:
             )
             stuck = _stuck(self.turns)
             if stuck:
-                raise _End(
-                    "repetition",
-                    f"the model made the same failing call{'s' if len(record.calls) > 1 else ''} "
-                    f"{STUCK_TURNS} turns in a row ({stuck})",
-                )
+                raise _End("repetition", stuck)
             if self.completion_tokens >= self.config.max_completion_tokens:
                 raise _End(
                     "max_tokens",

@@ -190,3 +190,37 @@ async def test_a_retry_that_sees_a_new_result_is_not_a_loop(tmp_path: Path) -> N
     result = await session.run("count")
     assert result.status == "completed" and result.answer == "Done."
     assert (tmp_path / "n.txt").read_text() == "5\n"
+
+
+async def test_two_failing_turns_in_alternation_end_the_session(tmp_path: Path) -> None:
+    """The trained policy's loop: an edit refused (its <new> repeats <old>), the failing
+    test rerun, the same edit again. Two full cycles end the session, though the test's
+    output differs in its timing; a cycle whose test run changes is no loop."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+    edit = '<edit_file path="a.py"><old>x = 1</old><new>x = 1</new></edit_file>'
+    # a failing "test" that prints its own duration, different on every run
+    run = "<run_terminal><command>echo 1 failed in 0.$(date +%N)s; exit 1</command></run_terminal>"
+    session = Session(
+        model=scripted(*[edit, run] * 4, "never reached", cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all", max_turns=8),
+    )
+    result = await session.run("fix the bug")
+    assert result.status == "repetition" and len(result.turns) == 4
+    assert result.error.startswith(
+        "the model alternated between the same two failing turns 4 turns in a row (edit_file: "
+    )
+    assert "; run_terminal: exit code 1)" in result.error
+
+    (tmp_path / "n.txt").write_text("0\n")
+    counting = (
+        "<run_terminal><command>echo $(( $(cat n.txt) + 1 )) > n.txt; cat n.txt; exit 1"
+        "</command></run_terminal>"
+    )
+    session = Session(
+        model=scripted(*[edit, counting] * 3, "Done.", cps=200_000.0),
+        workspace=LocalWorkspace(tmp_path),
+        config=SessionConfig(approve="all", max_turns=8),
+    )
+    result = await session.run("fix the bug")
+    assert result.status == "completed" and len(result.turns) == 7
