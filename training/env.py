@@ -504,6 +504,7 @@ class EnvError(Exception):
 
 
 _RAY_STARTED_HERE = False
+RAY_START_ATTEMPTS = 3
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -529,7 +530,22 @@ def ensure_ray(address: str | None = None) -> None:
     level = auth_log.level
     auth_log.setLevel(logging.ERROR)
     try:
-        ray.init(address=address, **kwargs)
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                ray.init(address=address, **kwargs)
+                break
+            except Exception as e:
+                # A loaded machine can keep the local raylet from registering within
+                # Ray's 30 s; the processes it started are stopped and it starts anew.
+                if address is not None or "timed out during startup" not in str(e):
+                    raise
+                ray.shutdown()
+                if attempt == RAY_START_ATTEMPTS:
+                    raise EnvError(
+                        f"Ray's local node did not start in {attempt} tries (is the machine "
+                        f"overloaded?): {str(e).splitlines()[0]}"
+                    ) from None
+                log.warning("Ray start-up timed out (try %d); starting it again", attempt)
     finally:
         auth_log.setLevel(level)
     _RAY_STARTED_HERE = address is None

@@ -331,3 +331,47 @@ async def test_a_template_in_use_outlives_its_eviction(tmp_path: Path) -> None:
         assert len(ws.templates) == 1  # within the cap: kept for the next episode
     finally:
         ws.close()
+
+
+def test_a_ray_start_that_times_out_under_load_is_tried_again(monkeypatch):
+    """Ray's local node gives up when its raylet does not register within 30 s (a
+    loaded machine): the half-started Ray is shut down and started again, and after
+    the last try the caller gets one clear line."""
+    import sys
+    import types
+
+    from opencomposer.training import env as env_mod
+
+    calls: list[str] = []
+    outcomes: list[Exception | None] = []
+
+    def init(**kw):
+        calls.append("init")
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: False, init=init, shutdown=lambda: calls.append("shutdown")
+    )
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(env_mod, "_RAY_STARTED_HERE", False)
+    timeout = Exception(
+        "The current node timed out during startup. This could happen because some of "
+        "the raylet failed to startup or the GCS has become overloaded."
+    )
+    outcomes[:] = [timeout, None]
+    env_mod.ensure_ray()
+    assert calls == ["init", "shutdown", "init"]
+
+    calls.clear()
+    outcomes[:] = [timeout] * env_mod.RAY_START_ATTEMPTS
+    with pytest.raises(env_mod.EnvError, match=r"did not start in 3 tries .*timed out during"):
+        env_mod.ensure_ray()
+    assert calls.count("init") == 3
+
+    calls.clear()
+    outcomes[:] = [ValueError("bad option")]  # anything else is not retried
+    with pytest.raises(ValueError, match="bad option"):
+        env_mod.ensure_ray()
+    assert calls == ["init"]
