@@ -7,7 +7,9 @@ of those that resolved their task, each model gets that turn's exact prompt and 
 greedily; its calls are compared with the engineer's (`training/nextstep.py`): `exact`
 is the same call, `part` the step's point (`edit_file`: the right line in the right
 file, whatever the change; `read_file`: a range holding the function; `grep`: the same
-pattern; `run_terminal`: a pytest run). One table, from this one run:
+pattern; `run_terminal`: a pytest run). The `edit_file` steps are also split by whether
+the failing run's traceback in the prompt stops at the line the engineer changes. One
+table, from this one run:
 
     python benchmarks/next_step.py --model sft=vllm:runs/embedded/checkpoints/step_0
     python benchmarks/next_step.py --tasks 40 --model base=vllm:smollm2-base \\
@@ -85,6 +87,7 @@ def main() -> int:
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.demos import spread
     from opencomposer.training.nextstep import (
+        edit_split,
         load_references,
         record_references,
         reference_steps,
@@ -142,7 +145,7 @@ def main() -> int:
         failed = [g for g in got if isinstance(g, ModelError)]
         if failed:
             print(f"{label}: {len(failed)} steps left out: {failed[0]}", flush=True)
-        counts = tally(steps, got)
+        counts = {**tally(steps, got), **edit_split(steps, got)}
         answers[label] = [
             {"task": s.task_id, "turn": s.turn, "reply": str(g)}
             for s, g in zip(steps, got, strict=True)

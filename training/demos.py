@@ -41,7 +41,7 @@ import re
 import shlex
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,24 +168,21 @@ _RUN_RESULT = re.compile(
 )
 
 
-def last_run_output(messages: Sequence[Any]) -> str:
-    """The output of the latest ``run_terminal`` call in a conversation ('' if none)."""
-    for m in reversed(messages):
-        if m.role == "user" and m.kind == "tool_results":
-            outs = [r.group("out") for r in _RUN_RESULT.finditer(m.content)]
-            if outs:
-                return "\n".join(outs)
+def last_run_output(user_messages: Sequence[str]) -> str:
+    """The output of the latest ``run_terminal`` call among a conversation's user
+    messages (their contents; tool results come back as user messages), '' if none."""
+    for content in reversed(user_messages):
+        outs = [r.group("out") for r in _RUN_RESULT.finditer(content)]
+        if outs:
+            return "\n".join(outs)
     return ""
 
 
-def traceback_site(
-    output: str, sites: Sequence[tuple[str, int, str]]
-) -> tuple[str, int, str] | None:
-    """The site among ``sites`` (path, line, code) at which the traceback in ``output``
-    stops: the deepest frame in any of the sites' files is at that line. None when the
-    traceback does not reach those files (a failed assertion in the test) or stops at
-    another line of them (the bug only shows later)."""
-    files = {path for path, _, _ in sites}
+def traceback_frame(output: str, files: Collection[str]) -> tuple[str, int, str] | None:
+    """The deepest frame of the pytest traceback in ``output`` that is in one of
+    ``files`` (workspace paths): the file, the line and the source line pytest printed
+    under it (stripped). None when the traceback does not reach those files (a failed
+    assertion in the test)."""
 
     def file_of(frame: str) -> str | None:
         return next((p for p in files if frame == p or frame.endswith("/" + p)), None)
@@ -194,8 +191,21 @@ def traceback_site(
     for m in _FRAME.finditer(output):
         path = file_of(m.group("path"))
         if path is not None:
-            deepest = (path, int(m.group("line")))
-    return next((s for s in sites if deepest == s[:2]), None)
+            rest = output[m.end() :].split("\n", 2)
+            source = rest[1].strip() if len(rest) > 1 else ""
+            deepest = (path, int(m.group("line")), source)
+    return deepest
+
+
+def traceback_site(
+    output: str, sites: Sequence[tuple[str, int, str]]
+) -> tuple[str, int, str] | None:
+    """The site among ``sites`` (path, line, code) at which the traceback in ``output``
+    stops: its deepest frame in any of the sites' files is at that line. None when it
+    does not reach those files or stops at another line of them (the bug only shows
+    later)."""
+    frame = traceback_frame(output, {path for path, _, _ in sites})
+    return next((s for s in sites if frame and frame[:2] == s[:2]), None)
 
 
 @dataclass(frozen=True)
@@ -210,7 +220,8 @@ class TracebackTurn:
     sites: tuple[tuple[str, int, str], ...]
 
     def __call__(self, messages: list[Any]) -> str:
-        site = traceback_site(last_run_output(messages), self.sites)
+        said = [m.content for m in messages if m.role == "user"]
+        site = traceback_site(last_run_output(said), self.sites)
         if site is None:
             return self.text
         path, line, code = site

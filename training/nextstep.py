@@ -171,6 +171,40 @@ def tally(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, T
     return out
 
 
+# The fix step, split by what the prompt shows: whether the failing run's traceback
+# stops at a line the engineer's edit changes (read it there), or not (reason it out).
+EDIT_IN_TRACEBACK = f"{EDIT_FILE}, its line in the traceback"
+EDIT_NOT_IN_TRACEBACK = f"{EDIT_FILE}, not in the traceback"
+
+
+def traceback_shows(step: Step, path: str, old: str) -> bool:
+    """Whether the latest test run in ``step``'s prompt stops, in ``path``, at one of
+    the lines of ``old`` (an edit's text)."""
+    from opencomposer.training.demos import last_run_output, traceback_frame
+
+    said = [m["content"] for m in step.messages if m.get("role") == "user"]
+    frame = traceback_frame(last_run_output(said), {path})
+    lines = {line.strip() for line in old.splitlines() if line.strip()}
+    return frame is not None and frame[2] in lines
+
+
+def edit_split(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, Tally]:
+    """The engineer's `edit_file` calls scored as `tally` does, split into those whose
+    line the prompt's traceback shows (`EDIT_IN_TRACEBACK`) and the rest."""
+    out: dict[str, Tally] = {}
+    for step, text in zip(steps, got, strict=True):
+        if isinstance(text, ModelError):
+            continue
+        want = [args for name, args in calls_of(step.text) if name == EDIT_FILE]
+        for args, (_, exact, part) in zip(
+            want, [s for s in score(step.text, text) if s[0] == EDIT_FILE], strict=True
+        ):
+            shown = traceback_shows(step, args.get("path", ""), args.get("old", ""))
+            key = EDIT_IN_TRACEBACK if shown else EDIT_NOT_IN_TRACEBACK
+            out.setdefault(key, Tally()).add(exact, part)
+    return out
+
+
 def load_references(db: Path) -> list[dict[str, Any]]:
     """Every reference session of the trace store at ``db``."""
     from opencomposer.agent.traces import TraceStore

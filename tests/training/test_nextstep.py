@@ -234,3 +234,30 @@ def test_held_out_references_play_in_the_sandbox_and_score_a_policy(tmp_path):
     lazy = tally(steps, asyncio.run(nextstep.replies(Oracle({}), steps)))
     assert lazy["answer"] == Tally(n=1, exact=1, part=1)
     assert all(t.exact == t.part == 0 for k, t in lazy.items() if k != "answer")
+
+
+def test_edit_steps_are_split_by_whether_the_traceback_shows_their_line():
+    """The fix step is read off the traceback when the failing run stops at the line
+    the engineer changes; elsewhere it must be reasoned out. The benchmark reports the
+    two apart."""
+    run = '<tool_result name="run_terminal" index="0" status="error">\nexit code 1\n{tb}\n</tool_result>'
+    raises = "tests/test_a.py:4: in test_x\n    f()\na.py:7: in f\n    x = 1\nE   ValueError\n"
+    asserts = "tests/test_a.py:5: in test_x\n    assert f() == 2\nE   assert 1 == 2\n"
+
+    def step(tb: str, sid: str) -> nextstep.Step:
+        messages = [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "running"},
+            {"role": "user", "content": run.format(tb=tb)},
+        ]
+        return nextstep.Step(session_id=sid, task_id=sid, turn=2, messages=messages, text=EDIT)
+
+    steps = [step(raises, "a"), step(asserts, "b"), step(raises.replace(":7:", ":9:"), "c")]
+    assert [nextstep.traceback_shows(s, "a.py", "    x = 1") for s in steps] == [True, False, True]
+    assert not nextstep.traceback_shows(steps[0], "b.py", "    x = 1")
+    got = [EDIT, EDIT.replace("x = 2", "x = 3"), "Done."]
+    assert nextstep.edit_split(steps, got) == {
+        nextstep.EDIT_IN_TRACEBACK: Tally(n=2, exact=1, part=1),
+        nextstep.EDIT_NOT_IN_TRACEBACK: Tally(n=1, exact=0, part=1),
+    }
