@@ -16,7 +16,7 @@ from pathlib import Path
 
 from opencomposer.agent.backends._stream import RepetitionGuard, TaskStream
 from opencomposer.agent.protocols import TurnOutput
-from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.agent.session import Session, SessionConfig, SessionResult
 from opencomposer.tools.workspace import LocalWorkspace
 
 from tests.agent.conftest import scripted
@@ -200,12 +200,16 @@ async def test_two_failing_turns_in_alternation_end_the_session(tmp_path: Path) 
     edit = '<edit_file path="a.py"><old>x = 1</old><new>x = 1</new></edit_file>'
     # a failing "test" that prints its own duration, different on every run
     run = "<run_terminal><command>echo 1 failed in 0.$(date +%N)s; exit 1</command></run_terminal>"
-    session = Session(
-        model=scripted(*[edit, run] * 4, "never reached", cps=200_000.0),
-        workspace=LocalWorkspace(tmp_path),
-        config=SessionConfig(approve="all", max_turns=8),
-    )
-    result = await session.run("fix the bug")
+
+    async def play(*turns: str) -> SessionResult:
+        session = Session(
+            model=scripted(*turns, cps=200_000.0),
+            workspace=LocalWorkspace(tmp_path),
+            config=SessionConfig(approve="all", max_turns=8),
+        )
+        return await session.run("fix the bug")
+
+    result = await play(*[edit, run] * 4, "never reached")
     assert result.status == "repetition" and len(result.turns) == 4
     assert result.error.startswith(
         "the model alternated between the same two failing turns 4 turns in a row (edit_file: "
@@ -217,10 +221,5 @@ async def test_two_failing_turns_in_alternation_end_the_session(tmp_path: Path) 
         "<run_terminal><command>echo $(( $(cat n.txt) + 1 )) > n.txt; cat n.txt; exit 1"
         "</command></run_terminal>"
     )
-    session = Session(
-        model=scripted(*[edit, counting] * 3, "Done.", cps=200_000.0),
-        workspace=LocalWorkspace(tmp_path),
-        config=SessionConfig(approve="all", max_turns=8),
-    )
-    result = await session.run("fix the bug")
+    result = await play(*[edit, counting] * 3, "Done.")
     assert result.status == "completed" and len(result.turns) == 7

@@ -401,10 +401,11 @@ CART_WORKSPACE = {
 }
 
 
-def cart_task(tmp_path, *, split):
-    """The cart workspace as a task folder (one-line request, the line fix as solution)."""
+def cart_task(tmp_path, *, split, cart=CART, solution=None):
+    """The cart workspace as a task folder (one-line request, the line fix as solution,
+    or ``cart`` as ``shop/cart.py`` with its ``solution``)."""
     repo = tmp_path / "repo"
-    for name, text in CART_WORKSPACE.items():
+    for name, text in {**CART_WORKSPACE, "shop/cart.py": cart}.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
     folder = write_task(
@@ -416,7 +417,8 @@ def cart_task(tmp_path, *, split):
         split=split,
         source="corpus:cart",
     )
-    (folder / "solution.json").write_text(json.dumps({**LINE_SOLUTION, "answer": "Fixed."}))
+    solution = solution or {**LINE_SOLUTION, "answer": "Fixed."}
+    (folder / "solution.json").write_text(json.dumps(solution))
     return load_task(folder)
 
 
@@ -621,22 +623,8 @@ def test_a_demo_reads_the_traceback_of_its_own_failing_run(tmp_path, monkeypatch
     """Played in the sandbox: the test run raises in the broken line, so the recorded
     fixing turn starts by pointing at it, from the run's own output."""
     monkeypatch.setattr(demos, "RECOVERY_SHARE", 0.0)
-    repo = tmp_path / "repo"
-    for name, text in {**CART_WORKSPACE, "shop/cart.py": BROKEN_CART}.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    folder = write_task(
-        tmp_path / "task",
-        query=ONE_LINE,
-        verify="python -m pytest -q -p no:cacheprovider tests/test_cart.py",
-        repo_dir=repo,
-        protect=["tests/test_cart.py"],
-        split="train",
-        source="corpus:cart",
-    )
     solution = {**SOLUTION, "kind": "wrong variable", "edits": [ITEMZ_FIX], "answer": "Fixed."}
-    (folder / "solution.json").write_text(json.dumps(solution))
-    task = load_task(folder)
+    task = cart_task(tmp_path, split="train", cart=BROKEN_CART, solution=solution)
     store = TraceStore(tmp_path / "demos.db")
     stats = record_in_sandbox([task], store, tmp_path)
     assert stats.accepted == stats.recorded == 1, stats.failed
