@@ -208,24 +208,43 @@ def traceback_site(
     return next((s for s in sites if frame and frame[:2] == s[:2]), None)
 
 
+# The first error line pytest prints for a failure ("E   AssertionError: assert 4 == 3").
+_ERROR = re.compile(r"^E {2,}(?P<error>\S.*)$", re.M)
+ERROR_CHARS = 120  # longer error lines are cut, with "…"
+
+
+def failure_line(output: str) -> str | None:
+    """The first ``E`` line of a pytest failure in ``output``, stripped, with backticks
+    made quotes and cut to `ERROR_CHARS`; None when it has none."""
+    m = _ERROR.search(output)
+    if m is None:
+        return None
+    error = m.group("error").strip().replace("`", "'")
+    return error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1].rstrip() + "…"
+
+
 @dataclass(frozen=True)
 class TracebackTurn:
-    """A fixing turn that reads the failing run first: when the traceback stops at one
+    """A fixing turn that reads the failing run first. When the traceback stops at one
     of the lines it fixes, it starts by saying so ("The traceback points to line 42 of
     pkg/mod.py: `return x[i + 1]`."), so the policy learns that the last frame in the
-    code is where to look. Otherwise it is ``text`` as planned. A ``scripted:`` turn:
-    called with the conversation so far."""
+    code is where to look; otherwise, when the run failed, it starts with the error
+    pytest reported ("The test fails with `assert 4 == 3`."), so the edit follows from
+    what the run showed (and every fixing turn after a run opens alike). Without a run,
+    it is ``text`` as planned. A ``scripted:`` turn: called with the conversation so far."""
 
     text: str
     sites: tuple[tuple[str, int, str], ...]
 
     def __call__(self, messages: list[Any]) -> str:
         said = [m.content for m in messages if m.role == "user"]
-        site = traceback_site(last_run_output(said), self.sites)
-        if site is None:
-            return self.text
-        path, line, code = site
-        return f"The traceback points to line {line} of {path}: `{code}`. {self.text}"
+        output = last_run_output(said)
+        site = traceback_site(output, self.sites)
+        if site is not None:
+            path, line, code = site
+            return f"The traceback points to line {line} of {path}: `{code}`. {self.text}"
+        error = failure_line(output)
+        return f"The test fails with `{error}`. {self.text}" if error else self.text
 
 
 def demo_turns(task: Any, solution: dict[str, Any]) -> list[str]:
@@ -745,7 +764,7 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     must_fail: tuple[int, ...] = ()
     code = {(p, ln): (files[p].splitlines()[ln - 1 : ln] or [""])[0].strip() for p, _, ln in sites}
     broken = tuple((p, ln, code[p, ln]) for p, _, ln in sites if code[p, ln])
-    grounded = {len(turns): broken} if broken else {}
+    grounded = {len(turns): broken}
     if wrong is not None:
         e = edits[0]
         untrained = (len(turns),)

@@ -603,10 +603,33 @@ def test_the_fixing_turn_says_where_the_traceback_points_when_it_points_at_the_f
         == f"The traceback points to line 6 of shop/cart.py: `{CART_LINE.strip()}`. "
         + (plan.turns[k])
     )
-    # the latest run counts; an assertion failure in the test says nothing of the code
+    # the latest run counts; an assertion failure in the test says nothing of the code,
+    # so the turn quotes the error instead; without a run it is as planned
     later = results(SHORT_TB.format(frame=""))
-    assert turn([results(here), later]) == plan.turns[k]
+    assert turn([results(here), later]) == (
+        "The test fails with `AttributeError: 'Cart' object has no attribute 'itemz'`. "
+        + plan.turns[k]
+    )
     assert turn([Message(role="user", content=ONE_LINE)]) == plan.turns[k]
+    assert turn([results("1 passed in 0.01s")]) == plan.turns[k]
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        (SHORT_TB.format(frame=""), "AttributeError: 'Cart' object has no attribute 'itemz'"),
+        # the first E line; backticks become quotes
+        ("E   assert `a` == 3\nE    +  where 4 = f()\n", "assert 'a' == 3"),
+        ("E   ValueError: " + "x" * 200, "ValueError: " + "x" * 107 + "…"),
+        ("E\nERROR tests/test_a.py\n1 passed", None),  # no error text
+        ("", None),
+    ],
+)
+def test_the_failure_line_is_the_first_error_pytest_printed(output, expected):
+    from opencomposer.training.demos import ERROR_CHARS, failure_line
+
+    found = failure_line(output)
+    assert found == expected and (found is None or len(found) <= ERROR_CHARS)
 
 
 BROKEN_CART = CART.replace("sum(p for p, q in self.items)", "sum(p * q for p, q in self.itemz)")
