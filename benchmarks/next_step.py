@@ -4,8 +4,8 @@ Each held-out task of a round-robin sample (projects never trained on) gets a re
 session: an engineer's session played through the production agent and tools, kept in
 `--db` (never trained on; recorded once, reused by later runs). At every assistant turn
 of those that resolved their task, each model gets that turn's exact prompt and answers
-greedily; its calls are compared with the engineer's (`training/nextstep.py`): `exact`
-is the same call, `part` the step's point (`edit_file`: the right line in the right
+greedily; its calls are compared with the engineer's (`training/nextstep.py`): `tool`
+is a call of the same tool (no call where the engineer answers), `exact` the same call, `part` the step's point (`edit_file`: the right line in the right
 file, whatever the change; `read_file`: a range holding the function; `grep`: the same
 pattern; `run_terminal`: a pytest run). The `edit_file` steps are also split by whether
 the failing run's traceback in the prompt stops at the line the engineer changes. One
@@ -49,7 +49,7 @@ def table(rows: dict[str, dict[str, dict[str, int]]]) -> str:
     labels = list(rows)
     lines = [
         "| step (the engineer's call) | calls | "
-        + " | ".join(f"{label}: exact / its point" for label in labels)
+        + " | ".join(f"{label}: tool / exact / its point" for label in labels)
         + " |",
         "|---|---|" + "---|" * len(labels),
     ]
@@ -57,7 +57,7 @@ def table(rows: dict[str, dict[str, dict[str, int]]]) -> str:
     for kind in [k for k in KINDS if k in first] + sorted(set(first) - set(KINDS)):
         n = first[kind]["n"]
         cells = [
-            f"{rows[label][kind]['exact'] / n:.0%} / {rows[label][kind]['part'] / n:.0%}"
+            " / ".join(f"{rows[label][kind].get(k, 0) / n:.0%}" for k in ("tool", "exact", "part"))
             for label in labels
         ]
         lines.append(f"| `{kind}` | {n} | " + " | ".join(cells) + " |")
@@ -153,7 +153,8 @@ def main() -> int:
         rows[label] = {k: vars(v) for k, v in counts.items()}
         edit = counts.get(EDIT_FILE)
         said = (
-            f", edit_file {edit.exact}/{edit.n} exact, {edit.part} on the right line"
+            f", edit_file {edit.tool}/{edit.n} edit_file calls, {edit.exact} exact, "
+            f"{edit.part} on the right line"
             if edit
             else ""
         )

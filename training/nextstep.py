@@ -11,7 +11,8 @@ alone, on held-out projects:
    accepted, so no training reads it; only sessions that resolved their task are used;
 2. at every assistant turn of it, the policy gets that turn's exact prompt (the
    request and the real tool results so far) and answers greedily;
-3. its calls are compared with the engineer's: ``exact`` (the same call, attribute for
+3. its calls are compared with the engineer's: ``tool`` (a call of the same tool, or
+   no call where the engineer answers), ``exact`` (the same call, attribute for
    attribute) and ``part`` (the step's point, by tool: `edit_file` the same ``<old>``
    in the same file, the right line whatever the change; `read_file` a range of the
    same file that holds the engineer's first line; `grep` the same pattern;
@@ -51,11 +52,13 @@ class Tally:
     n: int = 0
     exact: int = 0
     part: int = 0
+    tool: int = 0
 
-    def add(self, exact: bool, part: bool) -> None:
+    def add(self, exact: bool, part: bool, tool: bool) -> None:
         self.n += 1
         self.exact += int(exact)
         self.part += int(part)
+        self.tool += int(tool)
 
 
 def calls_of(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -154,9 +157,14 @@ async def replies(
     return list(await asyncio.gather(*(one(s) for s in steps)))
 
 
+def kinds_of(text: str) -> set[str]:
+    """The kinds of call a reply makes (``answer`` for none)."""
+    return {name for name, _ in calls_of(text)} or {ANSWER}
+
+
 def step_kinds(step: Step) -> set[str]:
-    """The kinds of call the engineer makes at ``step`` (``answer`` for none)."""
-    return {name for name, _ in calls_of(step.text)} or {ANSWER}
+    """The kinds of call the engineer makes at ``step``."""
+    return kinds_of(step.text)
 
 
 def tally(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, Tally]:
@@ -166,8 +174,9 @@ def tally(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[str, T
     for step, text in zip(steps, got, strict=True):
         if isinstance(text, ModelError):
             continue
+        made = kinds_of(text)
         for kind, exact, part in score(step.text, text):
-            out.setdefault(kind, Tally()).add(exact, part)
+            out.setdefault(kind, Tally()).add(exact, part, kind in made)
     return out
 
 
@@ -201,7 +210,7 @@ def edit_split(steps: Sequence[Step], got: Sequence[str | ModelError]) -> dict[s
         ):
             shown = traceback_shows(step, args.get("path", ""), args.get("old", ""))
             key = EDIT_IN_TRACEBACK if shown else EDIT_NOT_IN_TRACEBACK
-            out.setdefault(key, Tally()).add(exact, part)
+            out.setdefault(key, Tally()).add(exact, part, EDIT_FILE in kinds_of(text))
     return out
 
 

@@ -133,7 +133,7 @@ def test_a_step_the_model_cannot_answer_is_left_out():
     too_long = ModelError("the prompt is 8468 tokens, over the model's context window of 8192")
     got = asyncio.run(nextstep.replies(Oracle({"a/0": too_long, "a/1": "Done."}), steps))
     assert got[0] is too_long and got[1] == "Done."
-    assert tally(steps, got) == {"answer": Tally(n=1, exact=1, part=1)}
+    assert tally(steps, got) == {"answer": Tally(n=1, exact=1, part=1, tool=1)}
 
 
 class Oracle:
@@ -230,10 +230,10 @@ def test_held_out_references_play_in_the_sandbox_and_score_a_policy(tmp_path):
     got = asyncio.run(nextstep.replies(perfect, steps, concurrency=2))
     assert got == [s.text for s in steps]
     full = tally(steps, got)
-    assert all(t.exact == t.part == t.n for t in full.values())
+    assert all(t.tool == t.exact == t.part == t.n for t in full.values())
     lazy = tally(steps, asyncio.run(nextstep.replies(Oracle({}), steps)))
-    assert lazy["answer"] == Tally(n=1, exact=1, part=1)
-    assert all(t.exact == t.part == 0 for k, t in lazy.items() if k != "answer")
+    assert lazy["answer"] == Tally(n=1, exact=1, part=1, tool=1)
+    assert all(t.tool == t.exact == t.part == 0 for k, t in lazy.items() if k != "answer")
 
 
 def test_edit_steps_are_split_by_whether_the_traceback_shows_their_line():
@@ -258,6 +258,6 @@ def test_edit_steps_are_split_by_whether_the_traceback_shows_their_line():
     assert not nextstep.traceback_shows(steps[0], "b.py", "    x = 1")
     got = [EDIT, EDIT.replace("x = 2", "x = 3"), "Done."]
     assert nextstep.edit_split(steps, got) == {
-        nextstep.EDIT_IN_TRACEBACK: Tally(n=2, exact=1, part=1),
-        nextstep.EDIT_NOT_IN_TRACEBACK: Tally(n=1, exact=0, part=1),
+        nextstep.EDIT_IN_TRACEBACK: Tally(n=2, exact=1, part=1, tool=1),
+        nextstep.EDIT_NOT_IN_TRACEBACK: Tally(n=1, exact=0, part=1, tool=1),
     }
