@@ -5,9 +5,10 @@ session: an engineer's session played through the production agent and tools, ke
 `--db` (never trained on; recorded once, reused by later runs). At every assistant turn
 of those that resolved their task, each model gets that turn's exact prompt and answers
 greedily; its calls are compared with the engineer's (`training/nextstep.py`): `tool`
-is a call of the same tool (no call where the engineer answers), `exact` the same call, `part` the step's point (`edit_file`: the right line in the right
-file, whatever the change; `read_file`: a range holding the function; `grep`: the same
-pattern; `run_terminal`: a pytest run). The `edit_file` steps are also split by whether
+is a call of the same tool (no call where the engineer answers), `exact` the same call,
+`part` the step's point (`edit_file`: the right line in the right file, whatever the
+change; `read_file`: a range holding the function; `grep`: the same pattern;
+`run_terminal`: a pytest run). The `edit_file` steps are also split by whether
 the failing run's traceback in the prompt stops at the line the engineer changes. One
 table, from this one run:
 
@@ -153,7 +154,7 @@ def main() -> int:
         rows[label] = {k: vars(v) for k, v in counts.items()}
         edit = counts.get(EDIT_FILE)
         said = (
-            f", edit_file {edit.tool}/{edit.n} edit_file calls, {edit.exact} exact, "
+            f", edit_file steps: {edit.tool}/{edit.n} call it, {edit.exact} exact, "
             f"{edit.part} on the right line"
             if edit
             else ""

@@ -145,7 +145,8 @@ class Plan:
     session shows its test still failing) and the turns whose test run must fail for
     the story the next turns tell to be true (``must_fail``); indices into ``turns``.
     ``grounded`` maps a turn's index to the broken lines it fixes (`TracebackTurn`):
-    played, that turn first says where the traceback points when it points at one."""
+    played, that turn first says where the traceback points when it points at one, or
+    else the error a failed run printed."""
 
     turns: list[str]
     untrained: tuple[int, ...] = ()
