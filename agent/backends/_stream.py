@@ -24,6 +24,7 @@ ends with status `repetition` instead of spending its whole token budget).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -34,6 +35,7 @@ Emit = Callable[[str], None]
 Producer = Callable[[TurnOutput, Emit], Awaitable[None]]
 
 _DONE = object()
+_NUMBER = re.compile(r"\d+")
 
 
 class RepetitionGuard:
@@ -47,6 +49,12 @@ class RepetitionGuard:
     C-level searches over at most `window` characters (the last `probe`
     characters' nearest earlier occurrences give the candidate periods), so the
     guard is amortised O(1) per character of output.
+
+    A reply that counts instead ("at line 12, line 13, line 14, …", 1,000 tokens on
+    one line) repeats only once its numbers are blanked out. So when the whole window
+    is one line, it is checked again with every number read as 0, for a block with a
+    letter in it repeated at least `counting_repeats` times. Code tables that count
+    (`'item_001': 7,` …) are not one line, and a line of numbers alone has no letter.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class RepetitionGuard:
         every: int = 64,
         probe: int = 24,
         candidates: int = 8,
+        counting_repeats: int = 12,
     ) -> None:
         self.min_chars = min_chars
         self.repeats = repeats
@@ -65,6 +74,7 @@ class RepetitionGuard:
         self.every = every
         self.probe = probe
         self.candidates = candidates
+        self.counting_repeats = counting_repeats
         self.window = max(min_chars, repeats * max_period)
         self._unchecked = 0
 
@@ -79,8 +89,21 @@ class RepetitionGuard:
 
     def period(self, text: str) -> int | None:
         s = text[-self.window :]
+        if len(s) < self.min_chars:
+            return None
+        p = self._periodic(s, self.repeats, self.min_chars)
+        if p is None and "\n" not in s:
+            blind = _NUMBER.sub("0", s)
+            p = self._periodic(blind, self.counting_repeats, 0)
+            if p is not None and not any(c.isalpha() for c in blind[-p:]):
+                p = None
+        return p
+
+    def _periodic(self, s: str, repeats: int, min_span: int) -> int | None:
+        """The period p when the last max(min_span, repeats * p) characters of `s`
+        are one block of p characters repeated exactly, else None."""
         n, probe = len(s), min(self.probe, len(s) // 2)
-        if n < self.min_chars or probe < 1:
+        if probe < 1:
             return None
         tail = s[-probe:]
         end = n - 1  # an occurrence must end before the last character: period >= 1
@@ -91,7 +114,7 @@ class RepetitionGuard:
             p = n - probe - j
             if p > self.max_period:
                 return None
-            span = max(self.min_chars, self.repeats * p)
+            span = max(min_span, repeats * p)
             if span > n:
                 return None
             block = s[n - span :]

@@ -57,6 +57,30 @@ def test_legitimate_repetitive_code_does_not_fire() -> None:
         assert _fires(path.read_text(encoding="utf-8"), chunk=13) is None, path
 
 
+def test_a_line_that_counts_fires() -> None:
+    """The trained policy's degenerate reply: a sentence that turns into a count
+    ("line 12, line 13, …") repeats only with its numbers blanked out."""
+    counting = "Found it: in `if x:`, `if` should be `if y` (a dropped call at " + ", ".join(
+        f"line {i}" for i in range(12, 2000, 2)
+    )
+    at = _fires(counting)
+    assert at is not None and at <= 1000, at
+    steps = "Steps: " + " ".join(f"step {i} of {i * 3}." for i in range(400))
+    assert _fires(steps) is not None
+
+
+def test_one_line_without_a_counted_phrase_does_not_fire() -> None:
+    numbers = "DATA = [" + ", ".join(str(i * 7919 % 10007) for i in range(600)) + "]"
+    # a long line of real text: this repository's session loop, newlines joined
+    words = (ROOT / "agent" / "session.py").read_text(encoding="utf-8").replace("\n", " ")
+    record = "rows = " + ", ".join(
+        f'{{"id": {i}, "name": "{chr(97 + i % 26) * (1 + i % 5)}"}}' for i in range(120)
+    )
+    for text in (numbers, words, record):
+        assert "\n" not in text and len(text) > 1000
+        assert _fires(text) is None, text[:80]
+
+
 def test_checks_are_amortised(monkeypatch) -> None:
     guard = RepetitionGuard()
     calls = 0
