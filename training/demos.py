@@ -566,6 +566,11 @@ def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> st
 # another look at the code, never to an answer that claims success. The wrong edit's
 # turn is played (the session must show its failure) but not trained on.
 RECOVERY_SHARE = 0.3
+# Half of those make the trained policy's commonest failure instead: the edit that says
+# the change and then sends <old> back as <new>. The tool refuses it ("old and new are
+# the same"), and the next turn makes the edit with the change in <new>. As above, the
+# failing turn is played, not trained on: the policy learns the way out of it.
+UNCHANGED_SHARE = 0.5
 
 
 def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
@@ -620,7 +625,9 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
 
     With ``recovery`` (None: for a seeded `RECOVERY_SHARE` of the tasks), a one-edit
     task whose session fits `DEMO_MAX_TURNS` first gets a wrong edit (`wrong_fix`,
-    untrained), the rerun that fails, then the edit that corrects it."""
+    untrained), the rerun that fails, then the edit that corrects it; or, for a seeded
+    `UNCHANGED_SHARE` of them and where no wrong edit fits, an edit whose <new> repeats
+    <old> (untrained, refused by the tool), then the edit with the change."""
     rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     functions = [str(f) for f in solution.get("functions", [])]
@@ -759,8 +766,16 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         draw = random.Random(hashlib.sha1(f"{task.id}|recovery".encode()).hexdigest())
         recovery = draw.random() < RECOVERY_SHARE
     wrong = None
-    if recovery and len(edits) == 1 and len(turns) + 5 <= DEMO_MAX_TURNS:
-        wrong = wrong_fix(task, edits[0])
+    unchanged = False
+    if recovery:
+        draw = random.Random(hashlib.sha1(f"{task.id}|unchanged".encode()).hexdigest())
+        if (
+            draw.random() >= UNCHANGED_SHARE
+            and len(edits) == 1
+            and len(turns) + 5 <= DEMO_MAX_TURNS
+        ):
+            wrong = wrong_fix(task, edits[0])
+        unchanged = wrong is None and len(turns) + 4 <= DEMO_MAX_TURNS
     untrained: tuple[int, ...] = ()
     must_fail: tuple[int, ...] = ()
     code = {(p, ln): (files[p].splitlines()[ln - 1 : ln] or [""])[0].strip() for p, _, ln in sites}
@@ -792,6 +807,25 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
                     f"The test still fails: my change was wrong. Looking again: {what}.",
                 ],
                 [_edit_call(str(e["path"]), wrong, str(e["new"]))],
+            )
+        )
+    elif unchanged:
+        untrained = (len(turns),)
+        changes = [(str(e["old"]), str(e["new"])) for e in edits]
+        same = [_edit_call(str(e["path"]), str(e["old"]), str(e["old"])) for e in edits]
+        turns.append(_say(rng, fixing(changes), same))
+        said = [w for w in (said_change(o, n) for o, n in changes) if w]
+        what = "; ".join(said) if len(said) == len(changes) else f"{_kind_words(kind)} at {lines}"
+        turns.append(
+            _say(
+                rng,
+                [
+                    f"My edit changed nothing: it sent the line back as it was. "
+                    f"{_upper_first(what)}, so the new text gets that change.",
+                    f"Nothing changed: the new text repeated the old. Again, with the "
+                    f"change made: {what}.",
+                ],
+                edit,
             )
         )
     else:

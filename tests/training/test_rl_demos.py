@@ -334,7 +334,8 @@ def _rerun(turn: str) -> str:
     return found.group()
 
 
-def test_a_recovery_demo_edits_wrongly_first_then_corrects_the_edit(tmp_path):
+def test_a_recovery_demo_edits_wrongly_first_then_corrects_the_edit(tmp_path, monkeypatch):
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
     task = _corpus_task(tmp_path, ONE_LINE)
     plain = demo_plan(task, LINE_SOLUTION, recovery=False)
     assert plain.untrained == plain.must_fail == ()
@@ -354,11 +355,34 @@ def test_a_recovery_demo_edits_wrongly_first_then_corrects_the_edit(tmp_path):
     assert "<" not in plan.turns[-1]
     # the same task, seeded: the share of recoveries is drawn per task id
     assert demo_plan(task, LINE_SOLUTION) in (plain, plan)
-    # a session that is already long gets none (it would not fit the turn budget)
+    # a session that is already long gets no wrong edit (with its rerun it would not
+    # fit the turn budget), and nothing at all where the unchanged edit would not fit
     q = "`tests/test_cart.py::test_subtotal` started failing. Output:\n\n```\nE  assert 1 == 2\n```\n"
+    long = demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=True)
+    assert long.must_fail == () and f"<new>{wrong}</new>" not in "".join(long.turns)
+    monkeypatch.setattr(demos, "DEMO_MAX_TURNS", len(long.turns) - 1 - len(long.untrained))
     assert demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=True).untrained == ()
     # nor a fix whose lines are not in the file
     assert wrong_fix(task, {**LINE_FIX, "old": "        return 0"}) is None
+
+
+def test_an_unchanged_edit_demo_is_refused_then_made_with_the_change(tmp_path, monkeypatch):
+    """The trained policy's commonest failure, played and left out of the loss: the
+    turn says the change and sends <old> back as <new>; the next makes the edit."""
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 1.0)
+    task = _corpus_task(tmp_path, ONE_LINE)
+    plain = demo_plan(task, LINE_SOLUTION, recovery=False)
+    plan = demo_plan(task, LINE_SOLUTION, recovery=True)
+    assert len(plan.turns) == len(plain.turns) + 1 <= DEMO_MAX_TURNS
+    (k,) = plan.untrained
+    assert plan.must_fail == ()
+    assert f"<old>{CART_LINE}</old>\n<new>{CART_LINE}</new>" in plan.turns[k]
+    assert "`p` should be `p * q`" in plan.turns[k]  # it said the change, then dropped it
+    assert plan.turns[k + 1].split("\n", 1)[1] == plain.turns[-3].split("\n", 1)[1]
+    said = plan.turns[k + 1].split("\n", 1)[0]
+    assert "<" not in said and "`p` should be `p * q`" in said
+    assert plan.turns[k + 2 :] == plain.turns[-2:]
+    assert k in plan.grounded  # the failing turn quotes the run, as a plain one does
 
 
 def test_untrained_turns_stay_in_the_context_out_of_the_loss():
@@ -428,6 +452,7 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
     task = cart_task(tmp_path, split="train")
     monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
     plan = demo_plan(task, load_solution(task))
     (k,) = plan.untrained
     store = TraceStore(tmp_path / "demos.db")
@@ -444,6 +469,28 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     wrong = wrong_fix(task, LINE_FIX)
     assert f"<new>{wrong}</new>" not in trained and f"<old>{wrong}</old>" in trained
     assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"] if t["turn"] != k + 1)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_an_unchanged_edit_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
+    """Played in the sandbox: the tool refuses the unchanged edit, the next edit
+    applies and the test passes; SFT learns every turn but the refused one."""
+    task = cart_task(tmp_path, split="train")
+    monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 1.0)
+    (k,) = demo_plan(task, load_solution(task)).untrained
+    store = TraceStore(tmp_path / "demos.db")
+    stats = record_in_sandbox([task], store, tmp_path)
+    assert stats.accepted == stats.recorded == 1, stats.failed
+    (sid,) = stats.session_ids
+    tr = store.export(sid)
+    store.close()
+    assert tr["meta"]["untrained_turns"] == [k + 1]
+    edits = [(c["turn"], c["status"]) for c in tr["tool_calls"] if c["name"] == "edit_file"]
+    assert edits == [(k + 1, "error"), (k + 2, "ok")]
+    (s,) = samples_from_traces([tr], tokenizer=tokenizer).samples
+    trained = tokenizer.chat.hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
+    assert f"<new>{CART_LINE}</new>" not in trained and f"<new>{LINE_FIX['new']}</new>" in trained
 
 
 def test_demonstrations_come_from_the_demo_suite_when_one_is_named(tmp_path, monkeypatch):
