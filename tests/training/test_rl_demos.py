@@ -446,15 +446,14 @@ def cart_task(tmp_path, *, split, cart=CART, solution=None):
     return load_task(folder)
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
-def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
-    """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
-    demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
+def recovery_in_sandbox(tmp_path, tokenizer, monkeypatch, *, unchanged: float):
+    """The cart task's recovery demonstration (``UNCHANGED_SHARE`` = ``unchanged``)
+    recorded in the sandbox: the task, the untrained turn's index in the plan, the
+    stored trace and the text SFT trains on."""
     task = cart_task(tmp_path, split="train")
     monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
-    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
-    plan = demo_plan(task, load_solution(task))
-    (k,) = plan.untrained
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", unchanged)
+    (k,) = demo_plan(task, load_solution(task)).untrained
     store = TraceStore(tmp_path / "demos.db")
     stats = record_in_sandbox([task], store, tmp_path)
     assert stats.accepted == stats.recorded == 1, stats.failed
@@ -462,10 +461,18 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     tr = store.export(sid)
     store.close()
     assert tr["meta"]["untrained_turns"] == [k + 1]
-    runs = {c["turn"]: c["status"] for c in tr["tool_calls"] if c["name"] == "run_terminal"}
-    assert runs[k + 2] == "error" and runs[k + 4] == "ok"  # fails after the wrong edit only
     (s,) = samples_from_traces([tr], tokenizer=tokenizer).samples
     trained = tokenizer.chat.hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
+    return task, k, tr, trained
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
+    """Played in the sandbox: the wrong edit applies, its rerun fails (checked, or the
+    demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
+    task, k, tr, trained = recovery_in_sandbox(tmp_path, tokenizer, monkeypatch, unchanged=0.0)
+    runs = {c["turn"]: c["status"] for c in tr["tool_calls"] if c["name"] == "run_terminal"}
+    assert runs[k + 2] == "error" and runs[k + 4] == "ok"  # fails after the wrong edit only
     wrong = wrong_fix(task, LINE_FIX)
     assert f"<new>{wrong}</new>" not in trained and f"<old>{wrong}</old>" in trained
     assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"] if t["turn"] != k + 1)
@@ -475,21 +482,9 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
 def test_an_unchanged_edit_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
     """Played in the sandbox: the tool refuses the unchanged edit, the next edit
     applies and the test passes; SFT learns every turn but the refused one."""
-    task = cart_task(tmp_path, split="train")
-    monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
-    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 1.0)
-    (k,) = demo_plan(task, load_solution(task)).untrained
-    store = TraceStore(tmp_path / "demos.db")
-    stats = record_in_sandbox([task], store, tmp_path)
-    assert stats.accepted == stats.recorded == 1, stats.failed
-    (sid,) = stats.session_ids
-    tr = store.export(sid)
-    store.close()
-    assert tr["meta"]["untrained_turns"] == [k + 1]
+    _, k, tr, trained = recovery_in_sandbox(tmp_path, tokenizer, monkeypatch, unchanged=1.0)
     edits = [(c["turn"], c["status"]) for c in tr["tool_calls"] if c["name"] == "edit_file"]
     assert edits == [(k + 1, "error"), (k + 2, "ok")]
-    (s,) = samples_from_traces([tr], tokenizer=tokenizer).samples
-    trained = tokenizer.chat.hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
     assert f"<new>{CART_LINE}</new>" not in trained and f"<new>{LINE_FIX['new']}</new>" in trained
 
 
