@@ -52,9 +52,10 @@ class RepetitionGuard:
 
     A reply that counts instead ("at line 12, line 13, line 14, …", 1,000 tokens on
     one line) repeats only once its numbers are blanked out. So when the whole window
-    is one line, it is checked again with every number read as 0, for a block with a
-    letter in it repeated at least `counting_repeats` times. Code tables that count
-    (`'item_001': 7,` …) are not one line, and a line of numbers alone has no letter.
+    is one line, it is checked again with every number read as 0, for a block with
+    three letters or more repeated at least `counting_repeats` times. Code tables that
+    count (`'item_001': 7,` …) are not one line, and a line of numbers, or of hex bytes
+    (`0x00, 0x01, …`), has fewer letters.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class RepetitionGuard:
         if p is None and "\n" not in s:
             blind = _NUMBER.sub("0", s)
             p = self._periodic(blind, self.counting_repeats, 0)
-            if p is not None and not any(c.isalpha() for c in blind[-p:]):
+            if p is not None and sum(c.isalpha() for c in blind[-p:]) < 3:
                 p = None
         return p
 

@@ -99,7 +99,8 @@ async def test_a_running_session_takes_no_second_request(repo, store):
 
 async def test_a_long_session_drops_its_oldest_requests_to_fit(repo, store):
     # a 2000-token window holds the ~1000-token system prompt and about one exchange
-    prose = " ".join(f"word{i}" for i in range(250))  # ~1600 characters, no repetition
+    # ~1600 characters that never repeat, not even as a count (the letter varies too)
+    prose = " ".join(f"w{chr(97 + (i * 2654435761 >> 9) % 26)}rd{i}" for i in range(250))
     turns = ["A " + prose, "B " + prose, "C"]
     s = session(scripted(*turns, context_window=2000), repo, store)
     for query in ("one " * 100, "two " * 100):

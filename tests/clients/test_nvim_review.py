@@ -149,7 +149,8 @@ def test_review_hunks_files_follow_ups_and_undo(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("nvim") is None, reason="needs nvim (apt-get install neovim)")
 def test_a_decision_while_the_agent_runs_waits_for_the_end(tmp_path: Path) -> None:
-    slow = " ".join(f"word{i}" for i in range(300))  # ~2,600 characters at 1,000/s
+    # ~2,600 characters at 1,000/s; the letter varies, so the repetition guard sees no count
+    slow = " ".join(f"w{chr(97 + (i * 2654435761 >> 9) % 26)}rd{i}" for i in range(300))
     turns = [TURNS[0], slow]
     got, _, home = run_nvim(tmp_path, "nvim_review_running.lua", turns, cps=1000)
     assert got["errors"] == [] and got["running_at_accept"] is True
