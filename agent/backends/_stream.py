@@ -54,8 +54,8 @@ class RepetitionGuard:
     one line) repeats only once its numbers are blanked out. So when the whole window
     is one line, it is checked again with every number read as 0, for a block with
     three letters or more repeated at least `counting_repeats` times. Code tables that
-    count (`'item_001': 7,` …) are not one line, and a line of numbers, or of hex bytes
-    (`0x00, 0x01, …`), has fewer letters.
+    count (`'item_001': 7,` …) are not one line, and a line of numbers (`1.2e-05, …`)
+    has fewer letters.
     """
 
     def __init__(
