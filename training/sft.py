@@ -107,15 +107,19 @@ class TraceTokenizer:
 
 
 def samples_from_traces(
-    traces: Iterable[dict[str, Any]], *, tokenizer: TraceTokenizer | None = None
+    traces: Iterable[dict[str, Any]],
+    *,
+    tokenizer: TraceTokenizer | None = None,
+    only_accepted: bool = True,
 ) -> SftData:
-    """Samples of every accepted trace (``TraceStore.export`` dicts). Turns without
-    token ids are tokenized by ``tokenizer``; without one, such sessions are skipped.
+    """Samples of every accepted trace (``TraceStore.export`` dicts; every one given,
+    without ``only_accepted``: validation sessions). Turns without token ids are
+    tokenized by ``tokenizer``; without one, such sessions are skipped.
     The turns a trace's ``meta.untrained_turns`` lists (a demonstration's wrong first
     edit) stay in the context but out of the loss."""
     data = SftData(samples=[])
     for tr in traces:
-        if not accepted(tr):
+        if only_accepted and not accepted(tr):
             continue
         untrained = set((tr.get("meta") or {}).get("untrained_turns") or ())
         turns: list[Turn | None] = []
@@ -272,8 +276,10 @@ def fit(
     max_steps: int | None = None,
     start: int = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ) -> list[dict[str, float]]:
-    """``epochs`` passes of supervised steps over ``samples`` (shuffled, ``batch`` per step).
+    """``epochs`` passes of supervised steps over ``samples`` (shuffled, ``batch`` per step),
+    at rate ``lr``, or ``lr_at(n)`` at step ``n`` (from 1) when given.
 
     ``start``: the steps an interrupted run of the same fit already took; the order is
     the seed's, so they are skipped, not redone. ``on_step(n, stats)`` follows each
@@ -292,7 +298,7 @@ def fit(
             n += 1
             if n <= start:
                 continue
-            st = trainer.sft_step(order[i : i + batch], lr=lr)
+            st = trainer.sft_step(order[i : i + batch], lr=lr_at(n) if lr_at else lr)
             stats.append(st)
             if on_step is not None:
                 on_step(n, st)
