@@ -32,7 +32,7 @@ def fingerprint(state: dict[str, torch.Tensor], names: Iterable[str]) -> str:
 
     h = hashlib.sha256()
     for name in sorted(names):
-        t = state[name].detach().to(torch.float32).contiguous()
+        t = state[name].detach().to(torch.float32).cpu().contiguous()
         h.update(name.encode())
         h.update(t.numpy().tobytes()[: 1 << 16])  # the first 64 KiB of each: enough to tell
     return h.hexdigest()[:16]
