@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 STAMP := .venv/.installed
 APT_PACKAGES := bubblewrap ripgrep neovim git tmux
 
-.PHONY: setup system-deps demo test test-slow lint format bench vsix e2e-vscode clean embedded
+.PHONY: setup system-deps demo test test-slow lint format bench vsix e2e-vscode clean embedded embedded-sft
 
 NODE_STAMP := clients/vscode/node_modules/.package-lock.json
 
@@ -96,6 +96,21 @@ embedded: setup
 	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) -m opencomposer.server.cli train --config configs/embedded.toml
 	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) benchmarks/heldout.py --run runs/embedded
 	$(PY) -m opencomposer.training.ship runs/embedded
+
+# The supervised stage alone, as the shipped adapter was trained: demonstrations of
+# every demonstrable training task, packed, fit with LoRA (on a GPU when torch sees one,
+# else on the CPU: hours), merged, measured held out and shipped. The fit can run on
+# another machine instead: training/sft_offline.py says how.
+SFT_RUN ?= runs/embedded-sft
+embedded-sft: setup
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) -m opencomposer.server.cli tasks build-corpus --manifest configs/corpus.toml --out $(CORPUS) --jobs 2
+	mkdir -p $(SFT_RUN)
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) -m opencomposer.training.demos --suite corpus:train:all --db $(SFT_RUN)/demos.db --prompt-style compact --seed 11
+	$(PY) -m opencomposer.training.sft_offline pack --db $(SFT_RUN)/demos.db --out $(SFT_RUN)/samples.npz
+	$(PY) -m opencomposer.training.sft_offline fit $(SFT_RUN)/samples.npz --out $(SFT_RUN) --epochs 4 --lr 5e-4 --batch 16 --micro-batch 8 --lora-rank 16 --lora-alpha 32 --adapter-only
+	$(PY) -m opencomposer.training.sft_offline merge $(SFT_RUN)
+	OPENCOMPOSER_CORPUS=$(CORPUS) $(PY) benchmarks/heldout.py --tasks 48 --run $(SFT_RUN)
+	$(PY) -m opencomposer.training.ship $(SFT_RUN) --retrain "make embedded-sft"
 
 bench: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -59,7 +59,8 @@ def parse_models(ap: argparse.ArgumentParser, values: list[str]) -> list[tuple[s
 
 
 def run_models(run: Path) -> list[tuple[str, str]]:
-    """(label, spec) of the run's warm-start and newest checkpoints, where present."""
+    """(label, spec) of the run's warm-start and newest checkpoints, where present; of a
+    supervised run alone (`training/sft_offline.py`), its newest as "sft"."""
     root = run / "checkpoints"
     if not root.is_dir():
         return []
@@ -67,6 +68,12 @@ def run_models(run: Path) -> list[tuple[str, str]]:
         (p for p in root.glob("step_*") if (p / "config.json").is_file()),
         key=lambda p: int(p.name.split("_")[1]),
     )
+    try:
+        sft_only = "sft_offline" in json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        sft_only = False
+    if sft_only:
+        return [("sft", f"vllm:{steps[-1]}")] if steps else []
     out = []
     if steps and steps[0].name == "step_0":
         out.append(("sft", f"vllm:{steps[0]}"))

@@ -9,7 +9,7 @@ this package. So the warm start splits in three commands:
         [--validation reference.db] --out samples.npz
     python -m opencomposer.training.sft_offline fit samples.npz --model DIR --out runs/x \\
         --device cuda --epochs 3 --lr 3e-4 --batch 16 --lora-rank 32
-    python -m opencomposer.training.sft_offline merge runs/x/checkpoints/step_N
+    python -m opencomposer.training.sft_offline merge runs/x [or runs/x/checkpoints/step_N]
 
 `pack` tokenizes the accepted demonstrations of the stores (`sft.samples_from_traces`,
 exactly what ``opencomposer train --sft`` trains on; ``--style``: only those recorded in
@@ -334,12 +334,20 @@ def save_adapter_checkpoint(trainer: Any, folder: Path) -> Path:
 
 
 def merge(checkpoint: Path, model: str = BASE) -> Path:
-    """Fold ``checkpoint``'s adapter into the base weights there (``model.safetensors``,
-    tokenizer and template beside it), so vLLM, llama.cpp's converter and the agent load it."""
+    """Fold ``checkpoint``'s adapter (a run folder: its newest checkpoint's) into the base
+    weights there (``model.safetensors``, tokenizer and template beside it), so vLLM,
+    llama.cpp's converter and the agent load it; returns the checkpoint."""
     from opencomposer.agent.backends.adapter import AdapterError, merge_adapter
     from opencomposer.training.lora import checkpoint_adapter
     from safetensors.torch import load_file, save_file
 
+    if (checkpoint / "checkpoints").is_dir():  # a run folder: its newest checkpoint
+        steps = sorted(
+            (checkpoint / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
+        )
+        if not steps:
+            raise OfflineError(f"{checkpoint}: no checkpoint")
+        checkpoint = steps[-1]
     adapter = checkpoint_adapter(checkpoint)
     base = model_dir(model)
     state: dict[str, Any] = {}
@@ -387,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--max-turns", type=int, default=8, help="the turn budget it ships with")
     f.add_argument("--adapter-only", action="store_true", help="save the adapter alone")
     m = sub.add_parser("merge", help="fold an adapter-only checkpoint into the base")
-    m.add_argument("checkpoint", type=Path)
+    m.add_argument("checkpoint", type=Path, help="a checkpoint, or a run folder (its newest)")
     m.add_argument("--model", default=BASE)
     a = ap.parse_args(argv)
     try:

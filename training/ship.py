@@ -244,6 +244,7 @@ def ship(
     dest: Path = SHIPPED,
     corpus: Path | None = None,
     earlier: Sequence[tuple[Path, Path | None]] = (),
+    retrain: str = "make embedded",
 ) -> dict[str, Any]:
     """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it.
     ``config``: the run's config (default: the run's ``config.json``, else
@@ -287,7 +288,7 @@ def ship(
         "demonstrations": _demonstrations(run),
         "corpus": _corpus(corpus),
         "shipped": time.strftime("%Y-%m-%d", time.gmtime()),
-        "retrain": "make embedded",
+        "retrain": retrain,
     }
     stages = lineage(src, earlier)
     stages[-1]["config"] = card["config"]  # the shipped run's own, as given
@@ -324,6 +325,9 @@ def main() -> int:
     )
     ap.add_argument("--heldout", type=Path, default=ROOT / "docs" / "embedded" / "heldout.json")
     ap.add_argument(
+        "--retrain", default="make embedded", help="the command the card names to retrain it"
+    )
+    ap.add_argument(
         "--corpus",
         type=Path,
         default=None,
@@ -348,6 +352,7 @@ def main() -> int:
             corpus=a.corpus or default_corpus(),
             config=a.config,
             earlier=earlier,
+            retrain=a.retrain,
         )
     except ShipError as e:
         print(f"error: {e}", file=sys.stderr)

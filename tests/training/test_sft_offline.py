@@ -100,7 +100,7 @@ def test_fit_lowers_the_validation_loss_and_merge_makes_a_loadable_folder(tmp_pa
     assert saved == ["step_3", "step_6", "step_9"]  # one adapter an epoch
     settings = json.loads((ckpt / "opencomposer.json").read_text())
     assert settings == {"prompt_style": "compact", "max_turns": 8}
-    merge(ckpt, str(model))
+    assert merge(tmp_path / "run", str(model)) == ckpt  # a run folder: its newest
     merged = load_file(str(ckpt / "model.safetensors"))
     base = load_file(str(model / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -108,6 +108,19 @@ def test_fit_lowers_the_validation_loss_and_merge_makes_a_loadable_folder(tmp_pa
     assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])
     AutoModelForCausalLM.from_pretrained(str(ckpt))  # vLLM and the agent load it the same way
     assert (ckpt / "tokenizer.json").is_file()
+    # the held-out benchmark measures such a run's checkpoint as SFT, not SFT + RL
+    assert heldout_module().run_models(tmp_path / "run") == [("sft", f"vllm:{ckpt}")]
+
+
+def heldout_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "heldout.py"
+    spec = importlib.util.spec_from_file_location("heldout_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bad_input_is_one_line(tmp_path, stores, model):
