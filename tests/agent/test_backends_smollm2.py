@@ -15,6 +15,8 @@ from opencomposer.agent.backends import smollm2
 @pytest.fixture
 def fake_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # the conversion alone: no shipped adapter folded into the stand-in folder
+    monkeypatch.setattr(smollm2, "ADAPTER_DIR", tmp_path / "no-adapter")
     return tmp_path / "opencomposer" / "models" / smollm2.FOLDER_NAME
 
 
@@ -74,9 +76,9 @@ def test_stale_folder_from_an_older_format_is_rebuilt(fake_cache: Path, monkeypa
 
 @pytest.mark.slow
 def test_real_conversion_gives_a_complete_hf_folder() -> None:
-    folder = smollm2.smollm2_path()  # converts on first use, then cached
+    folder = smollm2.smollm2_path(base=True)  # converts on first use, then cached
     stamp = (folder / "model.safetensors").stat().st_mtime
-    assert smollm2.smollm2_path() == folder
+    assert smollm2.smollm2_path(base=True) == folder
     assert (folder / "model.safetensors").stat().st_mtime == stamp  # not converted again
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
