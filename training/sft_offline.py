@@ -187,23 +187,6 @@ def schedule(lr: float, total: int, warmup: int) -> Callable[[int], float]:
     return at
 
 
-def validation_loss(trainer: Any, samples: Sequence[Any]) -> float:
-    """Mean negative log-likelihood per trained token of ``samples`` (no update)."""
-    import torch
-
-    total, tokens = 0.0, 0.0
-    trainer.model.eval()
-    try:
-        with torch.no_grad():
-            for mb in trainer._micro_batches(samples):
-                logprobs, _ = trainer._logprobs(trainer.model, mb)
-                total -= float((logprobs * mb["mask"]).sum())
-                tokens += float(mb["mask"].sum())
-    finally:
-        trainer.model.train()
-    return total / max(tokens, 1.0)
-
-
 def fit_samples(
     samples_path: Path,
     model: str,
@@ -272,7 +255,7 @@ def fit_samples(
         if not val:
             return
         t0 = time.perf_counter()
-        loss = validation_loss(trainer, val)
+        loss = trainer.nll(val)
         row = {"epoch": epoch, "step": step, "val_loss": loss, "s": time.perf_counter() - t0}
         _append(out / "validation.jsonl", row)
         log(f"epoch {epoch}: validation loss {loss:.4f} ({row['s']:.1f} s)")
@@ -337,9 +320,9 @@ def merge(checkpoint: Path, model: str = BASE) -> Path:
     """Fold ``checkpoint``'s adapter (a run folder: its newest checkpoint's) into the base
     weights there (``model.safetensors``, tokenizer and template beside it), so vLLM,
     llama.cpp's converter and the agent load it; returns the checkpoint."""
-    from opencomposer.agent.backends.adapter import AdapterError, merge_adapter
+    from opencomposer.agent.backends.adapter import AdapterError, merged_folder_weights
     from opencomposer.training.lora import checkpoint_adapter
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     if (checkpoint / "checkpoints").is_dir():  # a run folder: its newest checkpoint
         steps = sorted(
@@ -350,11 +333,8 @@ def merge(checkpoint: Path, model: str = BASE) -> Path:
         checkpoint = steps[-1]
     adapter = checkpoint_adapter(checkpoint)
     base = model_dir(model)
-    state: dict[str, Any] = {}
-    for f in sorted(base.glob("*.safetensors")):
-        state.update(load_file(str(f)))
     try:
-        merged = merge_adapter(state, adapter)
+        merged = merged_folder_weights(base, adapter)
     except AdapterError as e:
         raise OfflineError(str(e)) from None
     for f in base.iterdir():

@@ -398,6 +398,21 @@ class Trainer:
             "train_s": time.perf_counter() - t0,
         }
 
+    def nll(self, samples: Sequence[Sample]) -> float:
+        """Mean negative log-likelihood per masked token of ``samples``, no update
+        (a validation loss, in `sft_step`'s terms)."""
+        total, tokens = 0.0, 0.0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for mb in self._micro_batches(samples):
+                    logprobs, _ = self._logprobs(self.model, mb)
+                    total -= float((logprobs * mb["mask"]).sum())
+                    tokens += float(mb["mask"].sum())
+        finally:
+            self.model.train()
+        return total / max(tokens, 1.0)
+
     # -- weights and checkpoints -----------------------------------------------------
 
     def named_weights(

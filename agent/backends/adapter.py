@@ -76,3 +76,14 @@ def merge_adapter(state: dict[str, torch.Tensor], folder: Path) -> dict[str, tor
         w = state[name]
         out[name] = (w.to(torch.float32) + (b @ a) * scale).to(w.dtype)
     return out
+
+
+def merged_folder_weights(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """The weights of the Hugging Face folder ``base`` (its ``*.safetensors``) with the
+    adapter in ``adapter`` folded in (`merge_adapter`)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(base.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return merge_adapter(state, adapter)

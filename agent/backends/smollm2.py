@@ -111,19 +111,15 @@ def _build(target: Path, make: Callable[[Path], None]) -> Path:
 
 def _merge(base: Path, out: Path) -> None:
     """The base folder with the shipped adapter folded into its weights."""
-    from opencomposer.agent.backends.adapter import merge_adapter
-    from safetensors.torch import load_file, save_file
+    from opencomposer.agent.backends.adapter import merged_folder_weights
+    from safetensors.torch import save_file
 
     for f in base.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != _MARKER:
             shutil.copyfile(f, out / f.name)
-    weights = sorted(base.glob("*.safetensors"))
-    state: dict = {}
-    for f in weights:
-        state.update(load_file(str(f)))
     if (ADAPTER_DIR / ADAPTER_SETTINGS).is_file():
         shutil.copyfile(ADAPTER_DIR / ADAPTER_SETTINGS, out / ADAPTER_SETTINGS)
-    merged = merge_adapter(state, ADAPTER_DIR)
+    merged = merged_folder_weights(base, ADAPTER_DIR)
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / _MARKER).write_text(
         json.dumps(

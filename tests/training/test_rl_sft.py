@@ -1,5 +1,6 @@
 """`train --sft`: accepted traces become token-exact samples; SFT steps lower the loss."""
 
+import pytest
 from opencomposer.agent.protocols import TurnOutput
 from opencomposer.agent.traces import TraceStore
 from opencomposer.training.rollouts import Rollout, Turn
@@ -53,8 +54,10 @@ def test_sft_steps_lower_the_loss():
     tr = Trainer(tiny_llama(), TrainerConfig(lr=1e-2, precision="fp32"))
     t = [Turn(prompt_ids=[1, 2, 3], completion_ids=[7, 8, 9, 10], logprobs=[0.0] * 4)]
     data = samples_from_rollouts([Rollout(task_id="a", reward=1.0, turns=t)], min_reward=1.0)
+    before = tr.nll(data.samples)  # the same loss, measured without a step
     losses = [tr.sft_step(data.samples)["loss"] for _ in range(10)]
     assert losses[-1] < losses[0] * 0.7 and tr.version == 10
+    assert before == pytest.approx(losses[0], rel=1e-5)
 
 
 def test_sft_on_traces_starts_no_environment(tmp_path, monkeypatch):
