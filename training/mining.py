@@ -66,6 +66,11 @@ from opencomposer.training.tasks import (
 STATE_DIR = ".opencomposer"  # inside the scratch copy; never packed into repo.tar
 TEST_TIMEOUT_S = 300.0
 SUITE_TIMEOUT_S = 1800.0  # the traced run of a whole suite
+# A mutant's run gets this many times its tests' (traced) time on the unchanged code,
+# plus the start-up floor, and never more than one test's budget: a mutant that loops
+# forever is given up on in seconds, not after the whole budget.
+TRIAL_SLACK = 5.0
+TRIAL_FLOOR_S = 30.0
 
 _PLUGIN = r"""
 import json, os, sys, threading
@@ -76,6 +81,7 @@ _TRACE = os.environ.get("OC_MINE_TRACE") == "1"
 _cur = None
 _hits = {}
 _outcomes = {}
+_durations = {}
 
 
 _rel = {}
@@ -114,6 +120,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
     prev = _outcomes.get(report.nodeid)
     if report.failed:
         _outcomes[report.nodeid] = {"outcome": "failed", "when": report.when,
@@ -126,6 +133,7 @@ def pytest_sessionfinish(session, exitstatus):
     with open(os.environ["OC_MINE_OUT"], "w") as fh:
         json.dump({"outcomes": _outcomes,
                    "hits": {k: sorted(v) for k, v in _hits.items()},
+                   "durations": _durations,
                    "exitstatus": int(exitstatus)}, fh)
 """
 
@@ -786,6 +794,7 @@ class Baseline:
     covered: dict[str, dict[int, list[str]]]  # source file -> function line -> tests
     exitstatus: int
     output: str  # pytest's output tail
+    durations: dict[str, float] = field(default_factory=dict)  # node id -> seconds, traced
 
 
 async def baseline(scratch: Path, cfg: MineConfig, plugin_dir: Path, label: str) -> Baseline:
@@ -819,6 +828,7 @@ async def baseline(scratch: Path, cfg: MineConfig, plugin_dir: Path, label: str)
         covered=covered,
         exitstatus=int(base.get("exitstatus", -1)),
         output=output,
+        durations={k: float(v) for k, v in base.get("durations", {}).items()},
     )
 
 
@@ -879,7 +889,7 @@ async def mine_from(
         if per_function.get(key, 0) >= cfg.per_function or not m.checked():
             continue
         attempts += 1
-        task = await _try(scratch, m, cfg, plugin_dir, base.failing_files, out, name)
+        task = await _try(scratch, m, cfg, plugin_dir, base, out, name)
         if task is not None:
             kept.append(task)
             per_function[key] = per_function.get(key, 0) + 1
@@ -934,22 +944,37 @@ def apply_all(mutations: list[Mutation], scratch: Path) -> dict[Path, bytes]:
 MAX_ARGV_CHARS = 64_000
 
 
+def trial_budget(tests: list[str], cfg: MineConfig, durations: dict[str, float] | None) -> float:
+    """Seconds a mutant's run of `tests` may take: `TRIAL_SLACK` times their time on the
+    unchanged code plus `TRIAL_FLOOR_S`, capped at one test's budget; the cap when a
+    test's time is unknown."""
+    cap = cfg.test_timeout_s + 30
+    if not durations or any(t not in durations for t in tests):
+        return cap
+    return min(cap, TRIAL_FLOOR_S + TRIAL_SLACK * sum(durations[t] for t in tests))
+
+
 async def trial(
     scratch: Path,
     mutations: list[Mutation],
     cfg: MineConfig,
     plugin_dir: Path,
     failing_files: set[str],
+    durations: dict[str, float] | None = None,
 ) -> Trial | None:
     """Apply the mutations, run the tests that cover them, restore the files. A Trial
     when some test fails in its call (not collection, not an internal error) and no
-    failing file is one whose tests fail anyway; else None."""
+    failing file is one whose tests fail anyway; else None. With the baseline's
+    `durations`, a run that takes far longer than the tests did is cut short (None)."""
     tests = sorted({t for m in mutations for t in m.tests})
+    budget = trial_budget(tests, cfg, durations)
     if sum(len(t) + 1 for t in tests) > MAX_ARGV_CHARS:  # the kernel's argument limit
         tests = sorted({t.split("::")[0] for t in tests})  # their files: a superset
     originals = apply_all(mutations, scratch)
     try:
-        result = await _run_tests(scratch, cfg, tests, trace=False, plugin_dir=plugin_dir)
+        result = await _run_tests(
+            scratch, cfg, tests, trace=False, plugin_dir=plugin_dir, budget_s=budget
+        )
     finally:
         for path, data in originals.items():
             path.write_bytes(data)
@@ -971,11 +996,11 @@ async def _try(
     m: Mutation,
     cfg: MineConfig,
     plugin_dir: Path,
-    failing_files: set[str],
+    base: Baseline,
     out: Path,
     name: str,
 ) -> Path | None:
-    found = await trial(scratch, [m], cfg, plugin_dir, failing_files)
+    found = await trial(scratch, [m], cfg, plugin_dir, base.failing_files, base.durations)
     if found is None:
         return None
     target = scratch / m.path

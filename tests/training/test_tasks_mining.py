@@ -216,6 +216,53 @@ def test_mine_keeps_verified_tasks(tmp_path: Path, limit: int) -> None:
         assert _run(task.verify, ws) == 0  # passes with the original restored
 
 
+LOOP_LIB = "def countdown(n):\n    while n > 0:\n        n -= 1\n    return n\n"
+
+
+def test_a_mutant_that_never_ends_is_given_up_on_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import time
+
+    from opencomposer.training import mining
+
+    repo = tmp_path / "loop"
+    repo.mkdir()
+    (repo / "loop.py").write_text(LOOP_LIB)
+    (repo / "test_loop.py").write_text(
+        "from loop import countdown\n\n\ndef test_countdown():\n    assert countdown(3) == 0\n"
+    )
+    (repo / "conftest.py").write_text(
+        "import sys, os\nsys.path.insert(0, os.path.dirname(__file__))\n"
+    )
+    monkeypatch.setattr(mining, "TRIAL_FLOOR_S", 3.0)
+    cfg = MineConfig(test_timeout_s=120)
+    node = "test_loop.py::test_countdown"
+    start = LOOP_LIB.index("n -= 1")
+    forever = mining.Mutation(
+        path="loop.py", function="countdown", kind="changed constant", line=3,
+        start=start, end=start + 6, old="n -= 1", new="n -= 0", tests=[node],
+    )  # fmt: skip
+
+    async def go() -> tuple[mining.Baseline, mining.Trial | None, float]:
+        scratch, plugin = mining.setup_scratch(repo, tmp_path / "mine", cfg)
+        base = await mining.baseline(scratch, cfg, plugin, "loop")
+        t0 = time.monotonic()
+        found = await mining.trial(
+            scratch, [forever], cfg, plugin, base.failing_files, base.durations
+        )
+        assert (scratch / "loop.py").read_text() == LOOP_LIB  # restored
+        return base, found, time.monotonic() - t0
+
+    base, found, seconds = asyncio.run(go())
+    assert set(base.durations) == {node} and base.durations[node] >= 0
+    assert mining.trial_budget([node], cfg, base.durations) < 10
+    assert mining.trial_budget([node, "other"], cfg, base.durations) == 150  # unknown: the cap
+    assert found is None
+    assert seconds < 60  # cut at its budget (~3 s), not at the cap (150 s)
+
+
 def test_mine_errors_are_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
