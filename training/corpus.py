@@ -306,7 +306,12 @@ def _project(entry: Any, where: str) -> ProjectSpec:
 
 
 class Skip(Exception):
-    """The project cannot be used; the message is the build report's one-line reason."""
+    """The project cannot be used; the message is the build report's one-line reason,
+    `output` pytest's output tail when the reason came from a test run."""
+
+    def __init__(self, reason: str, output: str = ""):
+        super().__init__(reason)
+        self.output = output
 
 
 def fetch(spec: ProjectSpec, dest: Path) -> Path:
@@ -665,6 +670,8 @@ def build_project(
         record.update(status="skipped", reason=str(e), tasks=0)
         if missing_module(str(e)):  # the build tried to install it (`_build`): no retry
             record["deps_tried"] = True
+        if _import_failure(str(e)):  # and to leave out the modules that do not import
+            record["leave_out_tried"] = True
     except Exception as e:  # a builder bug or an environment failure: reported, retried next run
         record.update(status="error", reason=_line(f"{type(e).__name__}: {e}"), tasks=0)
     if record["status"] != "built":  # nothing half-made stays behind
@@ -704,18 +711,32 @@ async def _build(
     scratch, plugin_dir = mining.setup_scratch(work, work_tmp, cfg)
     progress("running its tests", force=True)
     tried: set[str] = set()
+    left_out: list[str] = []
     while True:
         try:
             base = await _baseline(scratch, cfg, plugin_dir, spec, env, work)
             break
         except Skip as e:
             module = missing_module(str(e))
-            if not module or module in tried or len(tried) >= MAX_AUTO_DEPS:
+            if module and module not in tried and len(tried) < MAX_AUTO_DEPS:
+                tried.add(module)
+                progress(f"installing the missing test dependency {module}", force=True)
+                if await asyncio.to_thread(install_missing, module, [work, scratch], env):
+                    continue
+            # Test modules that cannot be imported here (a dependency no install
+            # provides, test data the sdist lacks) are left out, once, and the rest mined.
+            broken = [] if left_out else uncollectable(e.output, scratch)
+            if not broken or len(broken) >= len(mining.discover_tests(scratch)):
                 raise
-            tried.add(module)
-            progress(f"installing the missing test dependency {module}", force=True)
-            if not await asyncio.to_thread(install_missing, module, [work, scratch], env):
-                raise
+            for rel in broken:
+                (scratch / rel).unlink()
+                (work / rel).unlink(missing_ok=True)
+            left_out = broken
+            progress(f"leaving out {len(broken)} test file(s) that do not import", force=True)
+    if left_out:
+        env.notes.append(
+            f"left out {len(left_out)} test file(s) that do not import: {', '.join(left_out)}"[:200]
+        )
     cfg = env.config(spec, settings, limit=limit, max_attempts=max_attempts, seed=settings.seed)
     found = mining.candidates(scratch, cfg, base)
     if not found:
@@ -801,7 +822,7 @@ async def _baseline(
         except TaskError as e:
             first = getattr(e, "output", "") or str(e)
             if not _CONFIG_ERROR.search(first):
-                raise Skip(_why_no_tests(first, first, env)) from None
+                raise Skip(_why_no_tests(first, first, env), first) from None
     # Options of plugins that are not installed: removed from the project's config
     # (the rest kept), so plain `python -m pytest` works in the task's workspace too.
     known = await asyncio.to_thread(known_pytest_options, scratch, env.pythonpath)
@@ -824,7 +845,7 @@ async def _baseline(
         except TaskError as e:
             output = getattr(e, "output", "") or str(e)
             if extra or "PytestUnknownMarkWarning" not in output:
-                raise Skip(_why_no_tests(first, output, env)) from None
+                raise Skip(_why_no_tests(first, output, env), output) from None
             extra = UNKNOWN_MARKS
     env.pytest_args += [*NEUTRAL_ADDOPTS, *extra]
     env.notes.append(
@@ -963,6 +984,26 @@ def _filter_options(tokens: list[str], known: set[str]) -> tuple[list[str], list
             keep.append(tok)
         i += 1
     return keep, dropped
+
+
+# pytest's lines for a test module that failed to import: "ERROR collecting PATH" in
+# the report, "ERROR PATH - Error: ..." in the short summary.
+_COLLECT_ERROR = re.compile(r"^(?:_+ )?ERROR collecting (\S+\.py)|^ERROR (\S+\.py)(?: - |$)", re.M)
+
+
+def uncollectable(output: str, root: Path) -> list[str]:
+    """The test modules (not conftest.py) under `root` that pytest's `output` says
+    could not be collected, workspace-relative, sorted."""
+    found = {a or b for a, b in _COLLECT_ERROR.findall(output)}
+    return sorted(
+        rel
+        for rel in found
+        if mining._is_test_file(rel)
+        and Path(rel).name != "conftest.py"
+        and not Path(rel).is_absolute()
+        and ".." not in Path(rel).parts
+        and (root / rel).is_file()
+    )
 
 
 def _why_no_tests(as_configured: str, neutralised: str, env: TestEnv) -> str:
@@ -1378,10 +1419,19 @@ def _interleave_splits(specs: list[ProjectSpec]) -> list[ProjectSpec]:
 def _worth_retrying(done: dict[str, Any]) -> bool:
     """Whether a finished project is built again: after an error, or after a skip for a
     missing test dependency that the build did not try to install (one recorded before
-    builds installed those; the record says `deps_tried` since)."""
+    builds installed those; the record says `deps_tried` since), or after a skip for test
+    modules that do not import that did not try leaving them out (`leave_out_tried`)."""
     if done.get("status") == "error":
         return True
-    return bool(missing_module(done.get("reason") or "")) and not done.get("deps_tried")
+    reason = done.get("reason") or ""
+    if _import_failure(reason) and not done.get("leave_out_tried"):
+        return True
+    return bool(missing_module(reason)) and not done.get("deps_tried")
+
+
+def _import_failure(reason: str) -> bool:
+    """Whether a skip's reason is test modules that do not import (`_why_no_tests`)."""
+    return reason.startswith(("tests do not collect", "a test dependency is missing"))
 
 
 def restyle_project(

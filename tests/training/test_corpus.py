@@ -345,6 +345,57 @@ def test_project_without_passing_tests_is_skipped_with_a_reason(tmp_path: Path) 
     assert not (tmp_path / "c" / "projects" / "nettest" / "snapshot.tar").exists()
 
 
+@needs_bwrap
+def test_test_modules_that_do_not_import_are_left_out(tmp_path: Path) -> None:
+    """One test module that cannot be imported here stops pytest's whole run
+    ("Interrupted: 1 error during collection"); the build leaves it out and mines the rest."""
+    repo = tmp_path / "halfbroken"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "lib.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "conftest.py").write_text(
+        "import sys, os\nsys.path.insert(0, os.path.dirname(__file__))\n"
+    )
+    (repo / "tests" / "test_lib.py").write_text(
+        "from lib import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    )
+    (repo / "tests" / "test_extra.py").write_text(
+        "from lib import subtract\n\n\ndef test_subtract():\n    assert subtract(3, 2) == 1\n"
+    )
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "x")
+    manifest = corpus.load_manifest(
+        _manifest(
+            tmp_path,
+            f'[corpus]\nlimit = 1\n\n[[project]]\ngit = "{repo}"\n'
+            f'commit = "{_git(repo, "rev-parse", "HEAD")}"\nsplit = "train"\ninstall = false\n',
+        )
+    )
+    said: list[str] = []
+    report = corpus.build_corpus(manifest, tmp_path / "c", say=said.append)
+    (row,) = report["projects"]
+    assert row["status"] == "built" and row["tasks"] >= 1, row
+    assert "left out 1 test file(s) that do not import: tests/test_extra.py" in row["notes"]
+    assert any("leaving out 1 test file(s)" in s for s in said)
+    with tarfile.open(tmp_path / "c" / "projects" / "halfbroken" / "snapshot.tar") as tar:
+        names = tar.getnames()
+    assert "tests/test_lib.py" in names and "tests/test_extra.py" not in names
+
+
+def test_uncollectable_reads_both_of_pytests_forms(tmp_path: Path) -> None:
+    for rel in ("tests/test_a.py", "tests/test_b.py", "tests/conftest.py", "lib.py"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("")
+    output = (
+        "_____ ERROR collecting tests/test_a.py _____\nImportError: x\n"
+        "ERROR tests/test_b.py - ModuleNotFoundError: No module named 'y'\n"
+        "ERROR tests/conftest.py - oops\nERROR lib.py\nERROR ../outside/test_c.py\n"
+        "ERROR tests/test_gone.py - z\n!!! Interrupted: 2 errors during collection !!!\n"
+    )
+    assert corpus.uncollectable(output, tmp_path) == ["tests/test_a.py", "tests/test_b.py"]
+    assert corpus.uncollectable("1 passed in 0.01s", tmp_path) == []
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -565,7 +616,8 @@ def test_a_missing_test_dependency_is_named_and_its_skip_retried(tmp_path: Path)
     # retried once by a build that installs missing dependencies, not again after it tried
     skipped = {"status": "skipped", "reason": reason}
     assert corpus._worth_retrying(skipped)
-    assert not corpus._worth_retrying({**skipped, "deps_tried": True})
+    assert corpus._worth_retrying({**skipped, "deps_tried": True})  # not yet left out
+    assert not corpus._worth_retrying({**skipped, "deps_tried": True, "leave_out_tried": True})
     assert not corpus._worth_retrying({"status": "skipped", "reason": "no tests in the source"})
     assert corpus._worth_retrying({"status": "error", "reason": "OSError: disk full"})
 
