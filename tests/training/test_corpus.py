@@ -321,6 +321,18 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     assert restyled["key"] == rec["key"] and restyled["builder_version"] == corpus.BUILDER_VERSION
 
 
+def _one_repo_manifest(
+    tmp_path: Path, repo: Path, head: str = "", entry: str = ""
+) -> corpus.Manifest:
+    """A manifest of one training project: `repo`, committed as it is now."""
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "x")
+    commit = _git(repo, "rev-parse", "HEAD")
+    body = f'{head}[[project]]\ngit = "{repo}"\ncommit = "{commit}"\nsplit = "train"\n{entry}'
+    return corpus.load_manifest(_manifest(tmp_path, body))
+
+
 @needs_bwrap
 def test_project_without_passing_tests_is_skipped_with_a_reason(tmp_path: Path) -> None:
     repo = tmp_path / "nettest"
@@ -329,16 +341,7 @@ def test_project_without_passing_tests_is_skipped_with_a_reason(tmp_path: Path) 
     (repo / "tests" / "test_net.py").write_text(
         "import socket\n\ndef test_net():\n    socket.create_connection(('pypi.org', 443), timeout=5)\n"
     )
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "x")
-    manifest = corpus.load_manifest(
-        _manifest(
-            tmp_path,
-            f'[[project]]\ngit = "{repo}"\ncommit = "{_git(repo, "rev-parse", "HEAD")}"\n'
-            'split = "train"\n',
-        )
-    )
+    manifest = _one_repo_manifest(tmp_path, repo)
     report = corpus.build_corpus(manifest, tmp_path / "c", say=lambda s: None)
     (row,) = report["projects"]
     assert row["status"] == "skipped" and row["reason"] == "tests need the network"
@@ -361,16 +364,7 @@ def test_test_modules_that_do_not_import_are_left_out(tmp_path: Path) -> None:
     (repo / "tests" / "test_extra.py").write_text(
         "from lib import subtract\n\n\ndef test_subtract():\n    assert subtract(3, 2) == 1\n"
     )
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "x")
-    manifest = corpus.load_manifest(
-        _manifest(
-            tmp_path,
-            f'[corpus]\nlimit = 1\n\n[[project]]\ngit = "{repo}"\n'
-            f'commit = "{_git(repo, "rev-parse", "HEAD")}"\nsplit = "train"\ninstall = false\n',
-        )
-    )
+    manifest = _one_repo_manifest(tmp_path, repo, "[corpus]\nlimit = 1\n\n", "install = false\n")
     said: list[str] = []
     report = corpus.build_corpus(manifest, tmp_path / "c", say=said.append)
     (row,) = report["projects"]
