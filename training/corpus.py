@@ -752,16 +752,14 @@ async def _build(
         if per_function.get(key, 0) >= settings.per_function or not m.checked():
             continue
         attempts += 1
-        t = await mining.trial(scratch, [m], cfg, plugin_dir, base.failing_files, base.durations)
+        t = await mining.trial(scratch, [m], cfg, plugin_dir, base)
         if t is not None:
             trials.append(t)
             per_function[key] = per_function.get(key, 0) + 1
         progress(f"{attempts} mutations tried, {len(trials)} bugs caught")
     pairs = _pairs(trials, round(len(trials) * settings.two_site), settings.seed)
     for a, b in pairs:
-        t = await mining.trial(
-            scratch, a.mutations + b.mutations, cfg, plugin_dir, base.failing_files, base.durations
-        )
+        t = await mining.trial(scratch, a.mutations + b.mutations, cfg, plugin_dir, base)
         if t is not None:
             # Verify runs both bugs' failing files: fixing one site leaves the code as
             # the other's single-site bug, which fails a test there, so both fixes are needed.

@@ -51,6 +51,16 @@ def checkpoint_adapter(checkpoint: Path) -> Path:
     return sub if (sub / ADAPTER_WEIGHTS).is_file() else Path(checkpoint)
 
 
+def newest_adapter_checkpoint(run: Path) -> Path | None:
+    """The newest checkpoint under ``run/checkpoints`` that holds a LoRA adapter."""
+    steps = [
+        p
+        for p in (Path(run) / "checkpoints").glob("step_*")
+        if (checkpoint_adapter(p) / ADAPTER_WEIGHTS).is_file()
+    ]
+    return max(steps, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

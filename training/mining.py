@@ -959,15 +959,14 @@ async def trial(
     mutations: list[Mutation],
     cfg: MineConfig,
     plugin_dir: Path,
-    failing_files: set[str],
-    durations: dict[str, float] | None = None,
+    base: Baseline,
 ) -> Trial | None:
     """Apply the mutations, run the tests that cover them, restore the files. A Trial
     when some test fails in its call (not collection, not an internal error) and no
-    failing file is one whose tests fail anyway; else None. With the baseline's
-    `durations`, a run that takes far longer than the tests did is cut short (None)."""
+    failing file is one whose tests fail anyway; else None. A run that takes far longer
+    than the tests did on the unchanged code is cut short (`trial_budget`): None."""
     tests = sorted({t for m in mutations for t in m.tests})
-    budget = trial_budget(tests, cfg, durations)
+    budget = trial_budget(tests, cfg, base.durations)
     if sum(len(t) + 1 for t in tests) > MAX_ARGV_CHARS:  # the kernel's argument limit
         tests = sorted({t.split("::")[0] for t in tests})  # their files: a superset
     originals = apply_all(mutations, scratch)
@@ -986,7 +985,7 @@ async def trial(
     if not failed or result["exitstatus"] not in (1,):
         return None  # nothing failed, or pytest itself broke (collection, internal error)
     files = sorted({k.split("::")[0] for k in failed})
-    if set(files) & failing_files:
+    if set(files) & base.failing_files:
         return None  # a file with tests that fail anyway is no verify command
     return Trial(mutations=list(mutations), failed=failed, files=files)
 
@@ -1000,7 +999,7 @@ async def _try(
     out: Path,
     name: str,
 ) -> Path | None:
-    found = await trial(scratch, [m], cfg, plugin_dir, base.failing_files, base.durations)
+    found = await trial(scratch, [m], cfg, plugin_dir, base)
     if found is None:
         return None
     target = scratch / m.path

@@ -321,16 +321,14 @@ def merge(checkpoint: Path, model: str = BASE) -> Path:
     weights there (``model.safetensors``, tokenizer and template beside it), so vLLM,
     llama.cpp's converter and the agent load it; returns the checkpoint."""
     from opencomposer.agent.backends.adapter import AdapterError, merged_folder_weights
-    from opencomposer.training.lora import checkpoint_adapter
+    from opencomposer.training.lora import checkpoint_adapter, newest_adapter_checkpoint
     from safetensors.torch import save_file
 
     if (checkpoint / "checkpoints").is_dir():  # a run folder: its newest checkpoint
-        steps = sorted(
-            (checkpoint / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1])
-        )
-        if not steps:
-            raise OfflineError(f"{checkpoint}: no checkpoint")
-        checkpoint = steps[-1]
+        newest = newest_adapter_checkpoint(checkpoint)
+        if newest is None:
+            raise OfflineError(f"{checkpoint}: no checkpoint with an adapter")
+        checkpoint = newest
     adapter = checkpoint_adapter(checkpoint)
     base = model_dir(model)
     try:

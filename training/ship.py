@@ -31,6 +31,7 @@ from opencomposer.training.lora import (
     ADAPTER_WEIGHTS,
     LoraError,
     checkpoint_adapter,
+    newest_adapter_checkpoint,
     read_adapter,
 )
 
@@ -49,17 +50,10 @@ def _sha(path: Path) -> str:
 
 
 def _newest(run: Path) -> Path:
-    steps = sorted(
-        (
-            p
-            for p in (run / "checkpoints").glob("step_*")
-            if (checkpoint_adapter(p) / ADAPTER_WEIGHTS).is_file()
-        ),
-        key=lambda p: int(p.name.split("_")[1]),
-    )
-    if not steps:
+    newest = newest_adapter_checkpoint(run)
+    if newest is None:
         raise ShipError(f"{run}: no checkpoint with a LoRA adapter (train with [optim] lora_rank)")
-    return steps[-1]
+    return newest
 
 
 def _phases(run: Path, upto: int | None = None) -> dict[str, Any]:

@@ -249,9 +249,7 @@ def test_a_mutant_that_never_ends_is_given_up_on_early(
         scratch, plugin = mining.setup_scratch(repo, tmp_path / "mine", cfg)
         base = await mining.baseline(scratch, cfg, plugin, "loop")
         t0 = time.monotonic()
-        found = await mining.trial(
-            scratch, [forever], cfg, plugin, base.failing_files, base.durations
-        )
+        found = await mining.trial(scratch, [forever], cfg, plugin, base)
         assert (scratch / "loop.py").read_text() == LOOP_LIB  # restored
         return base, found, time.monotonic() - t0
 
