@@ -68,7 +68,7 @@ TEST_TIMEOUT_S = 300.0
 SUITE_TIMEOUT_S = 1800.0  # the traced run of a whole suite
 # A mutant's run gets this many times its tests' (traced) time on the unchanged code,
 # plus the start-up floor, and never more than one test's budget: a mutant that loops
-# forever is given up on in seconds, not after the whole budget.
+# forever is given up on after about half a minute, not after the whole budget.
 TRIAL_SLACK = 5.0
 TRIAL_FLOOR_S = 30.0
 
