@@ -104,8 +104,11 @@ NEUTRAL_ADDOPTS = ("-o", "addopts=", "-o", "required_plugins=")
 # A marker that a missing plugin registers (`no_cover`, pytest-cov's), met by a project
 # whose `filterwarnings = error` turns pytest's unknown-mark warning into a failure.
 UNKNOWN_MARKS = ("-W", "ignore::pytest.PytestUnknownMarkWarning")
-# Plugins that would break tracing or determinism when a project's venv has them.
-ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly")
+# Plugins that would break tracing or determinism when a project's venv has them, and
+# coverage: a task's verify runs a few test files, where a project's
+# `--cov-fail-under` threshold fails the run with every test passed. Its `--cov…`
+# options then count as foreign addopts and are taken out of the project's config.
+ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly", "-p", "no:pytest_cov")
 MAX_DEPS_MB = 100
 # pytest refusing its configuration (options of a plugin that is not there, a
 # required plugin), as opposed to tests that fail or do not import.
@@ -661,6 +664,7 @@ def build_project(
         "source": _source(spec),
         "key": spec.key(settings),
         "builder_version": BUILDER_VERSION,
+        "always_args": list(ALWAYS_ARGS),
     }
     try:
         with tempfile.TemporaryDirectory(prefix=f"oc-corpus-{spec.name}-") as tmp:
@@ -772,7 +776,8 @@ async def _build(
     (staging / "snapshot.tar").write_bytes(snapshot)
     progress(f"verifying {len(trials)} tasks", force=True)
     rows = [_task_row(spec, env, t, cfg) for t in trials]
-    verified = await _verify_rows(rows, staging / "snapshot.tar", tmp / "verify", cfg)
+    failing: list[str] = []
+    verified = await _verify_rows(rows, staging / "snapshot.tar", tmp / "verify", cfg, failing)
     with (staging / "tasks.jsonl").open("w") as fh:
         for row in verified:
             fh.write(json.dumps(row) + "\n")
@@ -780,7 +785,8 @@ async def _build(
     for row in verified:
         kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
     if not verified:
-        raise Skip(f"none of {len(rows)} caught bugs verified from the snapshot")
+        why = f": the unchanged snapshot fails its verify command: {failing[0]}" if failing else ""
+        raise Skip(f"none of {len(rows)} caught bugs verified from the snapshot{why}")
     return {
         "tasks": len(verified),
         "single": sum(1 for r in verified if len(r["edits"]) == 1),
@@ -1081,7 +1087,7 @@ def _task_row(
             {"path": m.path, "offset": m.start, "old": m.old, "new": m.new, "line": m.line}
             for m in ms
         ],
-        "verify": mining._pytest_cmd(cfg, t.files),
+        "verify": mining.verify_cmd(cfg, t.files),
         "protect": t.files,
         "failing": sorted(t.failed),
         "queries": queries(spec, env, ms, test, error, len(t.failed)),
@@ -1193,10 +1199,15 @@ def patched_tar(snapshot: Path, edits: list[dict[str, Any]]) -> bytes:
 
 
 async def _verify_rows(
-    rows: list[dict[str, Any]], snapshot: Path, dest: Path, cfg: mining.MineConfig
+    rows: list[dict[str, Any]],
+    snapshot: Path,
+    dest: Path,
+    cfg: mining.MineConfig,
+    failing: list[str],
 ) -> list[dict[str, Any]]:
     """Keep the rows whose verify fails with the patch applied to the snapshot and
-    passes on the snapshot itself."""
+    passes on the snapshot itself. The first verify that fails on the snapshot itself
+    goes into `failing`, as one line: why the build could not use those rows."""
     safe_extract(snapshot, dest)
     sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
     clean: dict[str, bool] = {}
@@ -1205,6 +1216,8 @@ async def _verify_rows(
         if row["verify"] not in clean:
             res = await run_command(row["verify"], cwd=dest, sandbox=sandbox)
             clean[row["verify"]] = res.exit_code == 0
+            if res.exit_code != 0 and not failing:
+                failing.append(f"{_failure_line(res.output)} (exit {res.exit_code})")
         if not clean[row["verify"]]:
             continue
         originals: dict[Path, bytes] = {}
@@ -1418,10 +1431,14 @@ def _worth_retrying(done: dict[str, Any]) -> bool:
     """Whether a finished project is built again: after an error, or after a skip for a
     missing test dependency that the build did not try to install (one recorded before
     builds installed those; the record says `deps_tried` since), or after a skip for test
-    modules that do not import that did not try leaving them out (`leave_out_tried`)."""
+    modules that do not import that did not try leaving them out (`leave_out_tried`), or
+    after a skip for bugs that did not verify, recorded with other harness options
+    (`always_args`: before coverage was turned off, say)."""
     if done.get("status") == "error":
         return True
     reason = done.get("reason") or ""
+    if reason.startswith("none of") and done.get("always_args") != list(ALWAYS_ARGS):
+        return True
     if _import_failure(reason) and not done.get("leave_out_tried"):
         return True
     return bool(missing_module(reason)) and not done.get("deps_tried")
@@ -1760,3 +1777,11 @@ def _solution_edits(snapshot: Path, edits: list[dict[str, Any]]) -> list[dict[st
 
 def _line(text: str) -> str:
     return " ".join(str(text).split())[:300]
+
+
+def _failure_line(output: str) -> str:
+    """The line of a run's output that says why it failed: the last that names a
+    failure or an error, else the last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.search(r"\b(?:FAIL(?:ED)?|ERROR|\w*Error|killed)\b", ln)]
+    return _line((named or lines or ["no output"])[-1])[:200]

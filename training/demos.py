@@ -300,7 +300,7 @@ def _short_turns(task: Any, solution: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------- an engineer's session
 
 # The pytest options the verify command adds for the harness; a person leaves them out.
-_HARNESS_OPTS = ("-q", "-p", "no:cacheprovider", "no:xdist", "no:randomly")
+_HARNESS_OPTS = ("-q", "-x", "-p", "no:cacheprovider", "no:xdist", "no:randomly")
 
 # A file this short is read whole; a longer one is searched first, then read in part.
 SMALL_FILE_LINES = 100

@@ -206,6 +206,13 @@ def _pytest_cmd(cfg: MineConfig, args: Iterable[str], *, plugin_dir: Path | None
     return f"{prefix}python -m pytest -q -p no:cacheprovider {quoted}"
 
 
+def verify_cmd(cfg: MineConfig, files: Iterable[str]) -> str:
+    """A task's verify: the failing tests' files, stopped at the first failure (`-x`).
+    Only its exit status counts, so a broken workspace need not run the rest: a bug
+    that errors every test of a large file fails in a second, not at the time limit."""
+    return _pytest_cmd(cfg, ["-x", *files])
+
+
 def _quote_assign(word: str) -> str:
     name, _, value = word.partition("=")
     return f"{name}={shlex.quote(value)}"
@@ -1010,7 +1017,7 @@ async def _try(
         digest = hashlib.sha1(f"{m.path}:{m.start}:{m.new}".encode()).hexdigest()[:8]
         task_id = f"{_slug(name)}-{_slug(m.function)}-{digest}"
         first, error = found.first
-        verify = _pytest_cmd(cfg, found.files)
+        verify = verify_cmd(cfg, found.files)
         query = _query(first, error, len(found.failed), cfg.env_prefix)
         broken = pack_dir(scratch)
         dest = write_task(

@@ -189,6 +189,7 @@ def test_build_export_verify_resume(tmp_path: Path, monkeypatch) -> None:
     for r in rows:
         assert "test_" not in r["queries"]["issue"], r["queries"]["issue"]
         assert "PYTHONPATH=src:.deps" in r["verify"] and "addopts" not in r["verify"]
+        assert " -x " in r["verify"]  # a broken workspace stops at its first failure
         assert "`python -m pytest tests/" in r["queries"]["test"]
 
     # Export: plain task folders the loader reads; each fails as written, passes fixed.
@@ -374,6 +375,67 @@ def test_test_modules_that_do_not_import_are_left_out(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "c" / "projects" / "halfbroken" / "snapshot.tar") as tar:
         names = tar.getnames()
     assert "tests/test_lib.py" in names and "tests/test_extra.py" not in names
+
+
+# A stand-in for pytest-cov (its distribution and plugin names): `--cov-fail-under`
+# fails a run whose tests all passed, as a coverage threshold does on a few test files.
+FAKE_COV_PLUGIN = """def pytest_addoption(parser):
+    parser.addoption("--cov", action="append", nargs="?", const=True, default=[])
+    parser.addoption("--cov-fail-under", type=float, default=None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--cov-fail-under") is not None and exitstatus == 0:
+        session.exitstatus = 1
+"""
+
+
+@needs_bwrap
+def test_a_coverage_threshold_in_addopts_does_not_fail_verify(tmp_path: Path) -> None:
+    """A project whose addopts carry `--cov-fail-under` with pytest-cov installed:
+    each verify runs a few test files, below the threshold, and exits 1 with every test
+    passed. Coverage is off in every run, its options leave the project's config."""
+    plugin = tmp_path / "fakecov"
+    (plugin / "pytest_cov").mkdir(parents=True)
+    (plugin / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "pytest-cov"\nversion = "99.0"\n\n'
+        '[project.entry-points.pytest11]\npytest_cov = "pytest_cov.plugin"\n\n'
+        '[tool.setuptools]\npackages = ["pytest_cov"]\n'
+    )
+    (plugin / "pytest_cov" / "__init__.py").write_text("")
+    (plugin / "pytest_cov" / "plugin.py").write_text(FAKE_COV_PLUGIN)
+    repo = tmp_path / "covered"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "covered"\nversion = "1.0"\n\n[tool.setuptools]\npy-modules = ["lib"]\n'
+    )
+    (repo / "pytest.ini").write_text("[pytest]\naddopts = -ra --cov=lib --cov-fail-under=99\n")
+    (repo / "lib.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "tests" / "test_lib.py").write_text(
+        "from lib import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    )
+    manifest = _one_repo_manifest(
+        tmp_path, repo, "[corpus]\nlimit = 1\ntwo_site = 0\n\n", f'deps = ["{plugin}"]\n'
+    )
+    report = corpus.build_corpus(manifest, tmp_path / "c", say=lambda s: None)
+    (row,) = report["projects"]
+    assert row["status"] == "built" and row["tasks"] == 1, row
+    assert "addopts without --cov=lib --cov-fail-under=99" in row["notes"]
+    out = tmp_path / "c" / "projects" / "covered"
+    with tarfile.open(out / "snapshot.tar") as tar:
+        assert tar.extractfile("pytest.ini").read() == b"[pytest]\naddopts = -ra\n"  # type: ignore[union-attr]
+        assert any(n.startswith(".deps/pytest_cov") for n in tar.getnames())
+    (task,) = [json.loads(line) for line in (out / "tasks.jsonl").open()]
+    assert "no:pytest_cov" in task["verify"]
+
+
+def test_a_verify_failing_on_the_snapshot_is_named_in_the_skip() -> None:
+    output = "....\nFAIL Required test coverage of 99% not reached.\n4 passed in 0.1s\n"
+    assert corpus._failure_line(output) == "FAIL Required test coverage of 99% not reached."
+    assert corpus._failure_line("\n  1 failed\n") == "1 failed"
+    assert corpus._failure_line("") == "no output"
 
 
 def test_uncollectable_reads_both_of_pytests_forms(tmp_path: Path) -> None:
@@ -614,6 +676,13 @@ def test_a_missing_test_dependency_is_named_and_its_skip_retried(tmp_path: Path)
     assert not corpus._worth_retrying({**skipped, "deps_tried": True, "leave_out_tried": True})
     assert not corpus._worth_retrying({"status": "skipped", "reason": "no tests in the source"})
     assert corpus._worth_retrying({"status": "error", "reason": "OSError: disk full"})
+    # bugs that did not verify: retried once the harness options have changed since
+    unverified = {
+        "status": "skipped",
+        "reason": "none of 36 caught bugs verified from the snapshot",
+    }
+    assert corpus._worth_retrying(unverified)
+    assert not corpus._worth_retrying({**unverified, "always_args": list(corpus.ALWAYS_ARGS)})
 
 
 WORKER_PARENT = """

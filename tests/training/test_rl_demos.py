@@ -249,7 +249,7 @@ def _corpus_task(tmp_path, query, *, test=CART_TEST, cart=CART):
         split="train",
         repo_tar=tar_path,
         protect=["tests/test_cart.py"],
-        verify="PYTHONPATH=.deps python -m pytest -q -p no:cacheprovider tests/test_cart.py",
+        verify="PYTHONPATH=.deps python -m pytest -q -p no:cacheprovider -x tests/test_cart.py",
     )
 
 
