@@ -104,11 +104,33 @@ NEUTRAL_ADDOPTS = ("-o", "addopts=", "-o", "required_plugins=")
 # A marker that a missing plugin registers (`no_cover`, pytest-cov's), met by a project
 # whose `filterwarnings = error` turns pytest's unknown-mark warning into a failure.
 UNKNOWN_MARKS = ("-W", "ignore::pytest.PytestUnknownMarkWarning")
+# pytest plugins (by entry-point name) that a project's test extras install and that
+# never judge its behaviour: coverage (a task's verify runs a few test files, where a
+# `--cov-fail-under` threshold fails the run with every test passed) and linters run as
+# test items (types, style, docs: a mutant that keeps them passes, and each run spends
+# seconds on them), with pytest-enabler, which turns those on. Their options then
+# count as foreign addopts and are taken out of the project's config.
+CHECK_PLUGINS = (
+    "pytest_cov",
+    "enabler",
+    "mypy",
+    "ruff",
+    "flake8",
+    "flakes",
+    "black",
+    "isort",
+    "pylint",
+    "checkdocs",
+)
 # Plugins that would break tracing or determinism when a project's venv has them, and
-# coverage: a task's verify runs a few test files, where a project's
-# `--cov-fail-under` threshold fails the run with every test passed. Its `--cov…`
-# options then count as foreign addopts and are taken out of the project's config.
-ALWAYS_ARGS = ("-p", "no:xdist", "-p", "no:randomly", "-p", "no:pytest_cov")
+# the checks above.
+ALWAYS_ARGS = (
+    "-p",
+    "no:xdist",
+    "-p",
+    "no:randomly",
+    *(arg for name in CHECK_PLUGINS for arg in ("-p", f"no:{name}")),
+)
 MAX_DEPS_MB = 100
 # pytest refusing its configuration (options of a plugin that is not there, a
 # required plugin), as opposed to tests that fail or do not import.

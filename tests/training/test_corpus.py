@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -429,6 +431,37 @@ def test_a_coverage_threshold_in_addopts_does_not_fail_verify(tmp_path: Path) ->
         assert any(n.startswith(".deps/pytest_cov") for n in tar.getnames())
     (task,) = [json.loads(line) for line in (out / "tasks.jsonl").open()]
     assert "no:pytest_cov" in task["verify"]
+
+
+def test_check_plugins_are_off_in_every_run(tmp_path: Path) -> None:
+    """Coverage and linters that a project's test extras install (found by their
+    entry points, as pytest finds them) add no option to the runs the build makes."""
+    deps = tmp_path / ".deps"
+    deps.mkdir()
+    # the entry-point names in the real plugins' wheels (pytest-cov, pytest-mypy, ...)
+    real = ("pytest_cov", "enabler", "mypy", "ruff", "flake8", "black", "pylint", "checkdocs")
+    for name in real:
+        module = f"fake_{name}"
+        (deps / f"{module}.py").write_text(
+            f"def pytest_addoption(parser):\n    parser.addoption('--{module}-check')\n"
+        )
+        info = deps / f"fake_{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-{name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[pytest11]\n{name} = {module}\n")
+    known = corpus.known_pytest_options(tmp_path, [".deps"])
+    assert "--timeout" in known and not [o for o in known if o.endswith("-check")], known
+    # without the harness's options, pytest loads every one of them
+    env = {**os.environ, "PYTHONPATH": str(deps)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    assert all(f"--fake_{name}-check" in out for name in real)
 
 
 def test_a_verify_failing_on_the_snapshot_is_named_in_the_skip() -> None:
