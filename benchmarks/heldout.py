@@ -18,6 +18,10 @@ Outputs under `--out` (default `docs/embedded/`): `heldout.json` (every model's
 two standard errors, per model). Per-model bench folders (traces, per-task rows) go
 under `--work` (default `bench-heldout/`, not committed).
 
+`--split train` samples training-project tasks instead, the same way: a control that
+tells a policy that cannot fix bugs from one that has not learned to generalise (its
+training projects' figures beside the held-out ones; `per_project` in the JSON).
+
 Models default to `base=smollm2-base`, then `sft=vllm:RUN/checkpoints/step_0` (the warm
 start) and `sft+rl=vllm:RUN/checkpoints/step_N` (the newest) when `--run` has them.
 """
@@ -82,14 +86,14 @@ def run_models(run: Path) -> list[tuple[str, str]]:
     return out
 
 
-def sample_suite(n: int, seed: int, dest: Path) -> list[str]:
-    """Link a round-robin sample of `n` held-out corpus tasks into `dest`; their ids."""
+def sample_suite(n: int, seed: int, dest: Path, split: str = "heldout") -> list[str]:
+    """Link a round-robin sample of `n` corpus tasks of `split` into `dest`; their ids."""
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.demos import spread
 
-    tasks = spread(load_suite("corpus:heldout"), n, seed)
+    tasks = spread(load_suite(f"corpus:{split}"), n, seed)
     if not tasks:
-        raise SystemExit("error: the corpus has no held-out tasks (build it first)")
+        raise SystemExit(f"error: the corpus has no {split} tasks (build it first)")
     dest.mkdir(parents=True, exist_ok=True)
     for t in tasks:
         (dest / t.id).symlink_to(t.dir)
@@ -166,7 +170,7 @@ def plot(rows: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", type=int, default=60, help="held-out tasks, spread over projects")
+    ap.add_argument("--tasks", type=int, default=60, help="tasks, spread over the split's projects")
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=2)
@@ -174,7 +178,14 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], metavar="LABEL=SPEC")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "embedded")
     ap.add_argument("--work", type=Path, default=ROOT / "bench-heldout")
+    ap.add_argument(
+        "--split",
+        choices=("heldout", "train"),
+        default="heldout",
+        help="train: training-project tasks, a control (default: held out)",
+    )
     a = ap.parse_args()
+    what = "held-out" if a.split == "heldout" else "training-project"
 
     from opencomposer.training.bench import run_bench
 
@@ -182,9 +193,9 @@ def main() -> int:
     if not models:
         models = [("base", "smollm2-base"), *run_models(a.run)]
     suite = Path(tempfile.mkdtemp(prefix="heldout-"))
-    ids = sample_suite(a.tasks, a.seed, suite)
+    ids = sample_suite(a.tasks, a.seed, suite, a.split)
     print(
-        f"held-out: {len(ids)} tasks, {a.max_turns} turns each; CPU {cpu_model()}, "
+        f"{what}: {len(ids)} tasks, {a.max_turns} turns each; CPU {cpu_model()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -216,13 +227,14 @@ def main() -> int:
         )
     a.out.mkdir(parents=True, exist_ok=True)
     title = (
-        f"{len(ids)} held-out tasks, {a.max_turns} turns; {cpu_model()}, load "
+        f"{len(ids)} {what} tasks, {a.max_turns} turns; {cpu_model()}, load "
         f"{os.getloadavg()[0]:.1f}"
     )
     meta = {
         "tasks": ids,
         "max_turns": a.max_turns,
         "seed": a.seed,
+        "split": a.split,
         "cpu": cpu_model(),
         "load": os.getloadavg()[0],
         "models": {label: s for label, s in rows},
