@@ -798,8 +798,7 @@ async def _build(
     (staging / "snapshot.tar").write_bytes(snapshot)
     progress(f"verifying {len(trials)} tasks", force=True)
     rows = [_task_row(spec, env, t, cfg) for t in trials]
-    failing: list[str] = []
-    verified = await _verify_rows(rows, staging / "snapshot.tar", tmp / "verify", cfg, failing)
+    verified, failing = await _verify_rows(rows, staging / "snapshot.tar", tmp / "verify", cfg)
     with (staging / "tasks.jsonl").open("w") as fh:
         for row in verified:
             fh.write(json.dumps(row) + "\n")
@@ -807,7 +806,7 @@ async def _build(
     for row in verified:
         kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
     if not verified:
-        why = f": the unchanged snapshot fails its verify command: {failing[0]}" if failing else ""
+        why = f": the unchanged snapshot fails its verify command: {failing}" if failing else ""
         raise Skip(f"none of {len(rows)} caught bugs verified from the snapshot{why}")
     return {
         "tasks": len(verified),
@@ -1221,25 +1220,22 @@ def patched_tar(snapshot: Path, edits: list[dict[str, Any]]) -> bytes:
 
 
 async def _verify_rows(
-    rows: list[dict[str, Any]],
-    snapshot: Path,
-    dest: Path,
-    cfg: mining.MineConfig,
-    failing: list[str],
-) -> list[dict[str, Any]]:
-    """Keep the rows whose verify fails with the patch applied to the snapshot and
-    passes on the snapshot itself. The first verify that fails on the snapshot itself
-    goes into `failing`, as one line: why the build could not use those rows."""
+    rows: list[dict[str, Any]], snapshot: Path, dest: Path, cfg: mining.MineConfig
+) -> tuple[list[dict[str, Any]], str]:
+    """The rows whose verify fails with the patch applied to the snapshot and passes on
+    the snapshot itself, and, in one line, how the first verify that failed on the
+    snapshot itself failed ("" when none did): why the build could not use its rows."""
     safe_extract(snapshot, dest)
     sandbox = SandboxConfig(timeout_s=cfg.test_timeout_s + 30, memory_mb=4096, max_processes=256)
     clean: dict[str, bool] = {}
+    failing = ""
     kept = []
     for row in rows:
         if row["verify"] not in clean:
             res = await run_command(row["verify"], cwd=dest, sandbox=sandbox)
             clean[row["verify"]] = res.exit_code == 0
             if res.exit_code != 0 and not failing:
-                failing.append(f"{_failure_line(res.output)} (exit {res.exit_code})")
+                failing = f"{_failure_line(res.output)} (exit {res.exit_code})"
         if not clean[row["verify"]]:
             continue
         originals: dict[Path, bytes] = {}
@@ -1258,7 +1254,7 @@ async def _verify_rows(
                 p.write_bytes(data)
         if res.exit_code != 0 and not res.timed_out:
             kept.append(row)
-    return kept
+    return kept, failing
 
 
 # ---------------------------------------------------------------- one folder (`tasks mine`)
