@@ -60,6 +60,7 @@ class Turn:
     logprobs: list[float]
     weight_version: int | None = None
     trained: bool = True  # False: its tokens stay in the context, out of the loss
+    weight: int = 1  # the loss weight of its tokens (supervised samples: `sft.samples_from_traces`)
 
 
 @dataclass(kw_only=True)
@@ -183,7 +184,7 @@ def samples_from_rollout(rollout: Rollout, advantage: float) -> list[Sample]:
             ids, mask, old = [], [], []
             delta = turn.prompt_ids
         ids += delta + turn.completion_ids
-        mask += [0] * len(delta) + [int(turn.trained)] * len(turn.completion_ids)
+        mask += [0] * len(delta) + [int(turn.trained) * turn.weight] * len(turn.completion_ids)
         old += [0.0] * len(delta) + turn.logprobs
         if turn.weight_version is not None:
             version = turn.weight_version if version is None else min(version, turn.weight_version)

@@ -111,17 +111,25 @@ def samples_from_traces(
     *,
     tokenizer: TraceTokenizer | None = None,
     only_accepted: bool = True,
+    edit_weight: int = 1,
 ) -> SftData:
     """Samples of every accepted trace (``TraceStore.export`` dicts; every one given,
     without ``only_accepted``: validation sessions). Turns without token ids are
     tokenized by ``tokenizer``; without one, such sessions are skipped.
     The turns a trace's ``meta.untrained_turns`` lists (a demonstration's wrong first
-    edit) stay in the context but out of the loss."""
+    edit) stay in the context but out of the loss. The tokens of a trained turn that
+    calls ``edit_file`` weigh ``edit_weight`` times in the loss (the mask holds the
+    weight): the fix is a few tokens of a session, and the step that decides it."""
+    if edit_weight < 1:
+        raise ValueError(f"edit_weight must be at least 1, not {edit_weight}")
     data = SftData(samples=[])
     for tr in traces:
         if only_accepted and not accepted(tr):
             continue
         untrained = set((tr.get("meta") or {}).get("untrained_turns") or ())
+        edit_turns = {
+            c.get("turn") for c in tr.get("tool_calls") or () if c.get("name") == "edit_file"
+        }
         turns: list[Turn | None] = []
         for t in tr.get("turns", []):
             turn = turn_from_trace(t)
@@ -129,6 +137,8 @@ def samples_from_traces(
                 turn = tokenizer.turn(t.get("messages") or [], t.get("text") or "")
             if turn is not None and t.get("turn") in untrained:
                 turn.trained = False
+            if turn is not None and t.get("turn") in edit_turns:
+                turn.weight = edit_weight
             turns.append(turn)
         if not turns or any(t is None for t in turns):
             data.sessions_skipped += 1

@@ -82,8 +82,11 @@ def pack(
     model: str = BASE,
     style: str | None = "compact",
     validation: Path | None = None,
+    edit_weight: int = 1,
 ) -> dict[str, Any]:
-    """Write the samples file; returns its summary (also stored in the file)."""
+    """Write the samples file; returns its summary (also stored in the file). The
+    tokens of turns that call ``edit_file`` weigh ``edit_weight`` in the training loss
+    (validation samples stay unweighted, so their loss is per token)."""
     import numpy as np
     from opencomposer.training.sft import TraceTokenizer, load_accepted_traces, samples_from_traces
 
@@ -96,7 +99,9 @@ def pack(
         if style:
             found = [t for t in found if (t.get("meta") or {}).get("prompt_style") == style]
         traces += found
-    train = samples_from_traces(traces, tokenizer=tokenizer)
+    if not 1 <= edit_weight <= 255:  # the mask is stored as uint8
+        raise OfflineError(f"--edit-weight must be from 1 to 255, not {edit_weight}")
+    train = samples_from_traces(traces, tokenizer=tokenizer, edit_weight=edit_weight)
     if not train.samples:
         raise OfflineError("no accepted demonstrations in " + ", ".join(map(str, dbs)))
     arrays = {f"train_{k}": v for k, v in _flatten(train.samples).items()}
@@ -107,7 +112,8 @@ def pack(
         "stores": [str(d) for d in dbs],
         "train_sessions": train.sessions_used,
         "train_samples": len(train.samples),
-        "train_tokens": int(sum(sum(s.mask) for s in train.samples)),
+        "train_tokens": int(sum(sum(m > 0 for m in s.mask) for s in train.samples)),
+        "edit_weight": edit_weight,
         "train_seq_tokens": int(sum(len(s.input_ids) for s in train.samples)),
     }
     if validation is not None:
@@ -357,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default=BASE, help="whose tokenizer (default: smollm2-base)")
     p.add_argument("--style", default="compact", help="prompt style to keep ('' for all)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--edit-weight", type=int, default=1, help="loss weight of edit_file turns (default 1)"
+    )
     f = sub.add_parser("fit", help="fine-tune on a samples file")
     f.add_argument("samples", type=Path)
     f.add_argument("--model", default=BASE, help="the base (default: smollm2-base)")
@@ -378,7 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "pack":
-            s = pack(a.db, a.out, model=a.model, style=a.style or None, validation=a.validation)
+            s = pack(
+                a.db,
+                a.out,
+                model=a.model,
+                style=a.style or None,
+                validation=a.validation,
+                edit_weight=a.edit_weight,
+            )
             print(json.dumps(s))
         elif a.cmd == "fit":
             fit_samples(

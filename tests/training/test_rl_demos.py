@@ -412,6 +412,33 @@ def test_untrained_turns_stay_in_the_context_out_of_the_loss():
     assert s2.input_ids == s.input_ids and s2.mask == s.mask
 
 
+def test_edit_turns_weigh_more_in_the_loss_when_asked():
+    def turn(n, ids, out):
+        return {
+            "turn": n,
+            "prompt_token_ids": ids,
+            "completion_token_ids": out,
+            "completion_logprobs": [0.0] * len(out),
+        }
+
+    trace = {
+        "status": "completed",
+        "meta": {"accepted": True, "untrained_turns": [2]},
+        "turns": [turn(1, [1], [2, 3]), turn(2, [1, 2, 3, 4], [5]), turn(3, [1, 2, 3, 4, 5, 6], [7])],
+        "tool_calls": [
+            {"turn": 1, "name": "read_file"},
+            {"turn": 2, "name": "edit_file"},  # untrained: stays out of the loss
+            {"turn": 3, "name": "edit_file"},
+        ],
+    }
+    (plain,) = samples_from_traces([trace]).samples
+    (weighted,) = samples_from_traces([trace], edit_weight=3).samples
+    assert plain.mask == [0, 1, 1, 0, 0, 0, 1]
+    assert weighted.mask == [0, 1, 1, 0, 0, 0, 3]
+    with pytest.raises(ValueError, match="at least 1"):
+        samples_from_traces([trace], edit_weight=0)
+
+
 CART_WORKSPACE = {
     "shop/__init__.py": "",
     "shop/cart.py": CART,

@@ -123,6 +123,33 @@ def heldout_module():
     return module
 
 
+def test_pack_weighs_edit_turns_and_leaves_validation_unweighted(tmp_path, model):
+    demos, refs = TraceStore(tmp_path / "demos.db"), TraceStore(tmp_path / "ref.db")
+    session(demos, "d0", tmp_path, source="demo", accepted=True)
+    session(refs, "r0", tmp_path, source="reference", accepted=False, resolved=True)
+    for store, sid in ((demos, "d0"), (refs, "r0")):  # the second turn edits
+        store.write_call(
+            sid, 1, call_id="c1", index=0, name="edit_file", args={"path": "a.py"},
+            status="ok", result="edited", t_start=0, t_end=1,
+        )  # fmt: skip
+    demos.close()
+    refs.close()
+    out = tmp_path / "s.npz"
+    summary = pack(
+        [tmp_path / "demos.db"],
+        out,
+        model=str(model),
+        validation=tmp_path / "ref.db",
+        edit_weight=3,
+    )
+    _, (train,), (val,) = load_samples(out)
+    assert train.mask == [0, 0, 0, 1, 1, 3, 3, 3]
+    assert val.mask == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert summary["edit_weight"] == 3 and summary["train_tokens"] == 5  # tokens, not weights
+    with pytest.raises(OfflineError, match="--edit-weight must be from 1 to 255"):
+        pack([tmp_path / "demos.db"], out, model=str(model), edit_weight=0)
+
+
 def test_bad_input_is_one_line(tmp_path, stores, model):
     with pytest.raises(OfflineError, match="no such trace store"):
         pack([tmp_path / "absent.db"], tmp_path / "s.npz", model=str(model))
