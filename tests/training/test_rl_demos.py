@@ -424,7 +424,11 @@ def test_edit_turns_weigh_more_in_the_loss_when_asked():
     trace = {
         "status": "completed",
         "meta": {"accepted": True, "untrained_turns": [2]},
-        "turns": [turn(1, [1], [2, 3]), turn(2, [1, 2, 3, 4], [5]), turn(3, [1, 2, 3, 4, 5, 6], [7])],
+        "turns": [
+            turn(1, [1], [2, 3]),
+            turn(2, [1, 2, 3, 4], [5]),
+            turn(3, [1, 2, 3, 4, 5, 6], [7]),
+        ],
         "tool_calls": [
             {"turn": 1, "name": "read_file"},
             {"turn": 2, "name": "edit_file"},  # untrained: stays out of the loss
