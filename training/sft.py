@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opencomposer.tools.specs import EDIT_FILE
 from opencomposer.training.demos import DemoError, DemoStats, pending, record_demos
 from opencomposer.training.rollouts import (
     Rollout,
@@ -128,7 +129,7 @@ def samples_from_traces(
             continue
         untrained = set((tr.get("meta") or {}).get("untrained_turns") or ())
         edit_turns = {
-            c.get("turn") for c in tr.get("tool_calls") or () if c.get("name") == "edit_file"
+            c.get("turn") for c in tr.get("tool_calls") or () if c.get("name") == EDIT_FILE
         }
         turns: list[Turn | None] = []
         for t in tr.get("turns", []):

@@ -364,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--style", default="compact", help="prompt style to keep ('' for all)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
-        "--edit-weight", type=int, default=1, help="loss weight of edit_file turns (default 1)"
+        "--edit-weight",
+        type=int,
+        default=1,
+        help="loss weight of the turns that edit a file (default 1)",
     )
     f = sub.add_parser("fit", help="fine-tune on a samples file")
     f.add_argument("samples", type=Path)
