@@ -90,6 +90,8 @@ def pack(
     import numpy as np
     from opencomposer.training.sft import TraceTokenizer, load_accepted_traces, samples_from_traces
 
+    if not 1 <= edit_weight <= 255:  # the mask is stored as uint8
+        raise OfflineError(f"--edit-weight must be from 1 to 255, not {edit_weight}")
     tokenizer = TraceTokenizer(model_dir(model))
     traces: list[dict[str, Any]] = []
     for db in dbs:
@@ -99,8 +101,6 @@ def pack(
         if style:
             found = [t for t in found if (t.get("meta") or {}).get("prompt_style") == style]
         traces += found
-    if not 1 <= edit_weight <= 255:  # the mask is stored as uint8
-        raise OfflineError(f"--edit-weight must be from 1 to 255, not {edit_weight}")
     train = samples_from_traces(traces, tokenizer=tokenizer, edit_weight=edit_weight)
     if not train.samples:
         raise OfflineError("no accepted demonstrations in " + ", ".join(map(str, dbs)))
