@@ -565,12 +565,16 @@ def _say(rng: random.Random, options: Sequence[str], calls: Sequence[str]) -> st
 # test, see it still fail and correct the edit: the policy sees a failing rerun lead to
 # another look at the code, never to an answer that claims success. The wrong edit's
 # turn is played (the session must show its failure) but not trained on.
-RECOVERY_SHARE = 0.3
+RECOVERY_SHARE = 0.5
 # Half of those make the trained policy's commonest failure instead: the edit that says
 # the change and then sends <old> back as <new>. The tool refuses it ("old and new are
 # the same"), and the next turn makes the edit with the change in <new>. As above, the
 # failing turn is played, not trained on: the policy learns the way out of it.
 UNCHANGED_SHARE = 0.5
+# Of the wrong-edit recoveries whose session has room for it, this share tries two wrong
+# changes before the right one: the policy sees that a second failure, too, leads to
+# another attempt while turns remain.
+TWICE_SHARE = 0.4
 
 
 def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
@@ -578,12 +582,18 @@ def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
     broken lines: another bug-like change inside them (a mutation `mining` would make),
     neither the broken text nor the fix, and unique in the file once made (so the
     correcting ``edit_file`` applies). None when the lines allow no such change."""
+    found = wrong_fixes(task, edit, 1)
+    return found[0] if found else None
+
+
+def wrong_fixes(task: Any, edit: dict[str, Any], n: int) -> list[str]:
+    """Up to ``n`` distinct wrong attempts (`wrong_fix`), in a seeded order."""
     from opencomposer.training import mining
 
     path, old, fixed = str(edit["path"]), str(edit["old"]), str(edit["new"])
     source = _source(task, path)
     if not old or source.count(old) != 1:
-        return None
+        return []
     data = source.encode()
     a = data.index(old.encode())
     b = a + len(old.encode())
@@ -599,10 +609,8 @@ def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
             continue
         if source.replace(old, wrong).count(wrong) == 1:
             options.append(wrong)
-    if not options:
-        return None
     rng = random.Random(hashlib.sha1(f"{task.id}|wrong".encode()).hexdigest())
-    return rng.choice(sorted(options))
+    return rng.sample(sorted(options), min(n, len(options)))
 
 
 def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = None) -> Plan:
@@ -617,15 +625,16 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     - it names only the function: grep for its ``def`` (or ``codebase_search``), read
       it, and after the fix run the module's test file.
 
-    Then fix it with ``edit_file``, run the test again and answer in a sentence or
-    two. Independent calls share a message, so the policy learns to batch them; the
+    Then fix it with ``edit_file`` and run the test again in the same message (one
+    turn an attempt), and answer in a sentence or two. Independent calls share a message, so the policy learns to batch them; the
     order and wording vary with the task's id (seeded). Raises `DemoError` when the
     request does not lead to the code (an issue that names no function, a test that
     does not call it): such a session would teach guessing.
 
     With ``recovery`` (None: for a seeded `RECOVERY_SHARE` of the tasks), a one-edit
     task whose session fits `DEMO_MAX_TURNS` first gets a wrong edit (`wrong_fix`,
-    untrained), the rerun that fails, then the edit that corrects it; or, for a seeded
+    untrained; two for a seeded `TWICE_SHARE` where the budget allows), each with the
+    rerun that fails, then the edit that corrects it; or, for a seeded
     `UNCHANGED_SHARE` of them and where no wrong edit fits, an edit whose <new> repeats
     <old> (untrained, refused by the tool), then the edit with the change."""
     rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
@@ -761,39 +770,45 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             f"Found it: {what}; {kinds} at {lines}.",
         ]
 
-    checking = ["Running the test again.", "Checking the fix."]
+    # The edit and the rerun share a message (the executor runs the command after the
+    # edit it conflicts with), so every attempt at the fix costs one turn, and a failed
+    # one leaves the turn budget room for another.
     if recovery is None:
         draw = random.Random(hashlib.sha1(f"{task.id}|recovery".encode()).hexdigest())
         recovery = draw.random() < RECOVERY_SHARE
-    wrong = None
+    wrongs: list[str] = []
     unchanged = False
     if recovery:
         draw = random.Random(hashlib.sha1(f"{task.id}|unchanged".encode()).hexdigest())
         if (
             draw.random() >= UNCHANGED_SHARE
             and len(edits) == 1
-            and len(turns) + 5 <= DEMO_MAX_TURNS
+            and len(turns) + 3 <= DEMO_MAX_TURNS
         ):
-            wrong = wrong_fix(task, edits[0])
-        unchanged = wrong is None and len(turns) + 4 <= DEMO_MAX_TURNS
-    untrained: tuple[int, ...] = ()
-    must_fail: tuple[int, ...] = ()
+            # two wrong attempts where the budget allows it, for a share of them
+            most = 2 if len(turns) + 4 <= DEMO_MAX_TURNS and draw.random() < TWICE_SHARE else 1
+            wrongs = wrong_fixes(task, edits[0], most)
+        unchanged = not wrongs and len(turns) + 3 <= DEMO_MAX_TURNS
+    untrained: list[int] = []
+    must_fail: list[int] = []
     code = {(p, ln): (files[p].splitlines()[ln - 1 : ln] or [""])[0].strip() for p, _, ln in sites}
     broken = tuple((p, ln, code[p, ln]) for p, _, ln in sites if code[p, ln])
     grounded = {len(turns): broken}
-    if wrong is not None:
+    if wrongs:
         e = edits[0]
-        untrained = (len(turns),)
-        turns.append(
-            _say(
-                rng,
-                fixing([(str(e["old"]), wrong)]),
-                [_edit_call(str(e["path"]), str(e["old"]), wrong)],
-            )
-        )
-        must_fail = (len(turns),)
-        turns.append(_say(rng, checking, [rerun]))
-        again = said_change(wrong, str(e["new"]))
+        path, before = str(e["path"]), str(e["old"])
+        for i, wrong in enumerate(wrongs):
+            untrained.append(len(turns))
+            must_fail.append(len(turns))
+            if i == 0:
+                options = fixing([(before, wrong)])
+            else:
+                options = [
+                    f"Still failing. {_upper_first(said_change(before, wrong) or lines)}; trying that."
+                ]
+            turns.append(_say(rng, options, [_edit_call(path, before, wrong), rerun]))
+            before = wrong
+        again = said_change(before, str(e["new"]))
         what = (
             f"{_upper_first(again)} ({_kind_words(kind)}, {lines})"
             if again
@@ -806,14 +821,14 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
                     f"Still failing, so that was not it. {what}; correcting my edit.",
                     f"The test still fails: my change was wrong. Looking again: {what}.",
                 ],
-                [_edit_call(str(e["path"]), wrong, str(e["new"]))],
+                [_edit_call(path, before, str(e["new"])), rerun],
             )
         )
     elif unchanged:
-        untrained = (len(turns),)
+        untrained.append(len(turns))
         changes = [(str(e["old"]), str(e["new"])) for e in edits]
         same = [_edit_call(str(e["path"]), str(e["old"]), str(e["old"])) for e in edits]
-        turns.append(_say(rng, fixing(changes), same))
+        turns.append(_say(rng, fixing(changes), [*same, rerun]))
         said = [w for w in (said_change(o, n) for o, n in changes) if w]
         what = "; ".join(said) if len(said) == len(changes) else f"{_kind_words(kind)} at {lines}"
         turns.append(
@@ -825,12 +840,13 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
                     f"Nothing changed: the new text repeated the old. Again, with the "
                     f"change made: {what}.",
                 ],
-                edit,
+                [*edit, rerun],
             )
         )
     else:
-        turns.append(_say(rng, fixing([(str(e["old"]), str(e["new"])) for e in edits]), edit))
-    turns.append(_say(rng, checking, [rerun]))
+        turns.append(
+            _say(rng, fixing([(str(e["old"]), str(e["new"])) for e in edits]), [*edit, rerun])
+        )
     where = " and ".join(f"`{f}` ({p})" for p, f, _ in sites)
     turns.append(
         rng.choice(
@@ -841,7 +857,9 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             ]
         )
     )
-    return Plan(turns=turns, untrained=untrained, must_fail=must_fail, grounded=grounded)
+    return Plan(
+        turns=turns, untrained=tuple(untrained), must_fail=tuple(must_fail), grounded=grounded
+    )
 
 
 # ---------------------------------------------------------------- recording

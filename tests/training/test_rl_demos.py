@@ -336,34 +336,59 @@ def _rerun(turn: str) -> str:
 
 def test_a_recovery_demo_edits_wrongly_first_then_corrects_the_edit(tmp_path, monkeypatch):
     monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
+    monkeypatch.setattr(demos, "TWICE_SHARE", 0.0)
     task = _corpus_task(tmp_path, ONE_LINE)
     plain = demo_plan(task, LINE_SOLUTION, recovery=False)
     assert plain.untrained == plain.must_fail == ()
-    assert f"<old>{CART_LINE}</old>" in plain.turns[-3]
+    # the fix and its rerun share a message: one turn per attempt
+    assert f"<old>{CART_LINE}</old>" in plain.turns[-2] and "<run_terminal>" in plain.turns[-2]
+    assert plain.turns[-2].index("</edit_file>") < plain.turns[-2].index("<run_terminal>")
     plan = demo_plan(task, LINE_SOLUTION, recovery=True)
-    assert len(plan.turns) == len(plain.turns) + 2 <= DEMO_MAX_TURNS
+    assert len(plan.turns) == len(plain.turns) + 1 <= DEMO_MAX_TURNS
     (k,) = plan.untrained
-    assert plan.must_fail == (k + 1,)
+    assert plan.must_fail == (k,)
     wrong = wrong_fix(task, LINE_FIX)
     assert wrong is not None and wrong not in (CART_LINE, LINE_FIX["new"])
     assert wrong.startswith("        return ")  # a change inside the broken line
-    # the wrong edit, the rerun, the edit that corrects it, the same rerun, the answer
+    # the wrong edit with its rerun, the edit that corrects it with the same rerun, the answer
     assert f"<old>{CART_LINE}</old>" in plan.turns[k] and f"<new>{wrong}</new>" in plan.turns[k]
-    assert f"<old>{wrong}</old>" in plan.turns[k + 2]
-    assert f"<new>{LINE_FIX['new']}</new>" in plan.turns[k + 2]
-    assert _rerun(plan.turns[k + 1]) == _rerun(plan.turns[k + 3]) == _rerun(plain.turns[-2])
-    assert "<" not in plan.turns[-1]
+    assert f"<old>{wrong}</old>" in plan.turns[k + 1]
+    assert f"<new>{LINE_FIX['new']}</new>" in plan.turns[k + 1]
+    assert _rerun(plan.turns[k]) == _rerun(plan.turns[k + 1]) == _rerun(plain.turns[-2])
+    assert "<" not in plan.turns[-1] and k + 3 == len(plan.turns)
     # the same task, seeded: the share of recoveries is drawn per task id
     assert demo_plan(task, LINE_SOLUTION) in (plain, plan)
     # a session that is already long gets no wrong edit (with its rerun it would not
     # fit the turn budget), and nothing at all where the unchanged edit would not fit
     q = "`tests/test_cart.py::test_subtotal` started failing. Output:\n\n```\nE  assert 1 == 2\n```\n"
+    long_plain = demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=False)
+    monkeypatch.setattr(demos, "DEMO_MAX_TURNS", len(long_plain.turns))
     long = demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=True)
-    assert long.must_fail == () and f"<new>{wrong}</new>" not in "".join(long.turns)
-    monkeypatch.setattr(demos, "DEMO_MAX_TURNS", len(long.turns) - 1 - len(long.untrained))
-    assert demo_plan(_corpus_task(tmp_path, q), LINE_SOLUTION, recovery=True).untrained == ()
+    assert long.untrained == long.must_fail == () and long.turns == long_plain.turns
     # nor a fix whose lines are not in the file
     assert wrong_fix(task, {**LINE_FIX, "old": "        return 0"}) is None
+
+
+def test_a_recovery_demo_may_try_two_wrong_changes_before_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
+    monkeypatch.setattr(demos, "TWICE_SHARE", 1.0)
+    task = _corpus_task(tmp_path, ONE_LINE)
+    plain = demo_plan(task, LINE_SOLUTION, recovery=False)
+    plan = demo_plan(task, LINE_SOLUTION, recovery=True)
+    first, second = demos.wrong_fixes(task, LINE_FIX, 2)
+    assert len({first, second, CART_LINE, LINE_FIX["new"]}) == 4
+    assert len(plan.turns) == len(plain.turns) + 2 <= DEMO_MAX_TURNS
+    k, j = plan.untrained
+    assert plan.must_fail == (k, j) and j == k + 1
+    # each attempt edits what the last one left, and reruns the test in the same message
+    assert f"<old>{CART_LINE}</old>" in plan.turns[k] and f"<new>{first}</new>" in plan.turns[k]
+    assert f"<old>{first}</old>" in plan.turns[j] and f"<new>{second}</new>" in plan.turns[j]
+    assert f"<old>{second}</old>" in plan.turns[j + 1]
+    assert f"<new>{LINE_FIX['new']}</new>" in plan.turns[j + 1]
+    assert all(_rerun(plan.turns[i]) == _rerun(plain.turns[-2]) for i in (k, j, j + 1))
+    # where two do not fit the budget, one does
+    monkeypatch.setattr(demos, "DEMO_MAX_TURNS", len(plain.turns) + 1)
+    assert len(demo_plan(task, LINE_SOLUTION, recovery=True).untrained) == 1
 
 
 def test_an_unchanged_edit_demo_is_refused_then_made_with_the_change(tmp_path, monkeypatch):
@@ -378,10 +403,11 @@ def test_an_unchanged_edit_demo_is_refused_then_made_with_the_change(tmp_path, m
     assert plan.must_fail == ()
     assert f"<old>{CART_LINE}</old>\n<new>{CART_LINE}</new>" in plan.turns[k]
     assert "`p` should be `p * q`" in plan.turns[k]  # it said the change, then dropped it
-    assert plan.turns[k + 1].split("\n", 1)[1] == plain.turns[-3].split("\n", 1)[1]
+    assert _rerun(plan.turns[k]) == _rerun(plain.turns[-2])
+    assert plan.turns[k + 1].split("\n", 1)[1] == plain.turns[-2].split("\n", 1)[1]
     said = plan.turns[k + 1].split("\n", 1)[0]
     assert "<" not in said and "`p` should be `p * q`" in said
-    assert plan.turns[k + 2 :] == plain.turns[-2:]
+    assert plan.turns[k + 2 :] == plain.turns[-1:]
     assert k in plan.grounded  # the failing turn quotes the run, as a plain one does
 
 
@@ -484,6 +510,7 @@ def recovery_in_sandbox(tmp_path, tokenizer, monkeypatch, *, unchanged: float):
     task = cart_task(tmp_path, split="train")
     monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
     monkeypatch.setattr(demos, "UNCHANGED_SHARE", unchanged)
+    monkeypatch.setattr(demos, "TWICE_SHARE", 0.0)
     (k,) = demo_plan(task, load_solution(task)).untrained
     store = TraceStore(tmp_path / "demos.db")
     stats = record_in_sandbox([task], store, tmp_path)
@@ -503,7 +530,8 @@ def test_a_recovery_demo_through_the_real_session(tmp_path, tokenizer, monkeypat
     demo is not accepted), the correction passes; SFT learns every turn but the wrong one."""
     task, k, tr, trained = recovery_in_sandbox(tmp_path, tokenizer, monkeypatch, unchanged=0.0)
     runs = {c["turn"]: c["status"] for c in tr["tool_calls"] if c["name"] == "run_terminal"}
-    assert runs[k + 2] == "error" and runs[k + 4] == "ok"  # fails after the wrong edit only
+    # the rerun in the wrong edit's message fails, the one beside the correction passes
+    assert runs == {1: "error", k + 1: "error", k + 2: "ok"}
     wrong = wrong_fix(task, LINE_FIX)
     assert f"<new>{wrong}</new>" not in trained and f"<old>{wrong}</old>" in trained
     assert trained == "".join(t["text"] + "<|im_end|>" for t in tr["turns"] if t["turn"] != k + 1)
@@ -597,25 +625,27 @@ def test_the_said_change_quotes_the_line_it_changes(old, new, said):
     assert said_change(old, new) == said
 
 
-def test_the_fixing_turn_names_the_change_it_makes(tmp_path):
+def test_the_fixing_turn_names_the_change_it_makes(tmp_path, monkeypatch):
     from opencomposer.training.demos import change_words, said_change
 
     task = _corpus_task(tmp_path, ONE_LINE)
     plain = demo_plan(task, LINE_SOLUTION, recovery=False)
-    fix = plain.turns[-3]
+    fix = plain.turns[-2]
     said = f"in `{CART_LINE.strip()}`, `p` should be `p * q`"
     assert said_change(CART_LINE, LINE_FIX["new"]) == said
     words = fix.split("<edit_file")[0]
     assert said[1:] in words  # "in" or "In", as the sentence starts
     # the line first, the kind of bug after it: the quote is what the edit copies
     assert words.index(said[1:]) < words.index(demos._kind_words(SOLUTION["kind"]))
+    monkeypatch.setattr(demos, "TWICE_SHARE", 0.0)
+    monkeypatch.setattr(demos, "UNCHANGED_SHARE", 0.0)
     plan = demo_plan(task, LINE_SOLUTION, recovery=True)
     (k,) = plan.untrained
     wrong = wrong_fix(task, LINE_FIX)
     # the wrong attempt says its own change; the correction says the right one
     said = plan.turns[k].split("<edit_file")[0]
     assert " should be `" in said and "`p * q`" not in said
-    correction = plan.turns[k + 2].split("<edit_file")[0]
+    correction = plan.turns[k + 1].split("<edit_file")[0]
     assert wrong is not None and said_change(wrong, LINE_FIX["new"])[1:] in correction
     assert change_words(wrong, LINE_FIX["new"]) in correction
 
@@ -661,7 +691,7 @@ def test_the_fixing_turn_says_where_the_traceback_points_when_it_points_at_the_f
     task = _corpus_task(tmp_path, ONE_LINE)
     plan = demo_plan(task, LINE_SOLUTION, recovery=False)
     (k,) = plan.grounded
-    assert k == len(plan.turns) - 3  # the fixing turn
+    assert k == len(plan.turns) - 2  # the fixing turn
     turn = plan.played()[k]
     assert isinstance(turn, TracebackTurn) and plan.played()[0] == plan.turns[0]
 
