@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -239,10 +240,18 @@ def ship(
     corpus: Path | None = None,
     earlier: Sequence[tuple[Path, Path | None]] = (),
     retrain: str = "make embedded",
+    onto_shipped: bool = False,
+    base_weights: Path | None = None,
 ) -> dict[str, Any]:
     """Copy the adapter of ``run``'s checkpoint into ``dest`` and write the card; returns it.
     ``config``: the run's config (default: the run's ``config.json``, else
-    ``configs/embedded.toml``); ``earlier``: see `lineage`."""
+    ``configs/embedded.toml``); ``earlier``: see `lineage`.
+
+    With ``onto_shipped``, the run trained the policy shipped in ``dest`` further (its
+    base was ``smollm2``, the base with that adapter folded in): the two adapters ship
+    stacked as one (`stack_adapters`) for the untrained weights in ``base_weights`` (a
+    folder of ``*.safetensors``; default: ``smollm2-base``'s), and the card's stages
+    continue the shipped card's."""
     src = run / "checkpoints" / checkpoint if checkpoint else _newest(run)
     if config is None:
         config = run / "config.json"
@@ -253,14 +262,19 @@ def ship(
         meta, _ = read_adapter(adapter)
     except LoraError as e:
         raise ShipError(str(e)) from None
-    size = (adapter / ADAPTER_WEIGHTS).stat().st_size
-    if size > MAX_BYTES:
-        raise ShipError(
-            f"adapter is {size >> 20} MB; at most {MAX_BYTES >> 20} MB ships (lower the rank)"
-        )
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        shutil.copyfile(adapter / name, dest / name)
+    before: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="opencomposer-stacked-") as tmp:
+        if onto_shipped:
+            meta, before = _stack_onto(adapter, dest, base_weights, Path(tmp))
+            adapter = Path(tmp)
+        size = (adapter / ADAPTER_WEIGHTS).stat().st_size
+        if size > MAX_BYTES:
+            raise ShipError(
+                f"adapter is {size >> 20} MB; at most {MAX_BYTES >> 20} MB ships (lower the rank)"
+            )
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            shutil.copyfile(adapter / name, dest / name)
     settings = _settings(src, run)
     write_model_settings(dest, settings)
     card: dict[str, Any] = {
@@ -286,6 +300,7 @@ def ship(
     }
     stages = lineage(src, earlier)
     stages[-1]["config"] = card["config"]  # the shipped run's own, as given
+    stages = before + stages
     card["stages"] = stages
     card["total"] = {
         "steps": sum(p["steps"] for st in stages for p in st.get("phases", {}).values()),
@@ -297,6 +312,36 @@ def ship(
         card["heldout"] = json.loads(heldout.read_text())
     (dest / CARD).write_text(json.dumps(card, indent=1) + "\n")
     return card
+
+
+def _stack_onto(
+    adapter: Path, dest: Path, base_weights: Path | None, out: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The shipped adapter in ``dest`` and ``adapter`` (trained on top of it) stacked
+    into the folder ``out``: its meta, and the stages of the shipped card."""
+    from opencomposer.agent.backends.adapter import AdapterError, stack_adapters
+    from safetensors.torch import load_file, save_file
+
+    if not (dest / ADAPTER_WEIGHTS).is_file():
+        raise ShipError(f"{dest}: no shipped adapter to train further")
+    if base_weights is None:
+        from opencomposer.agent.backends.smollm2 import smollm2_path
+
+        base_weights = smollm2_path(base=True)
+    state: dict[str, Any] = {}
+    for f in sorted(base_weights.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    try:
+        meta, tensors = stack_adapters(state, dest, adapter)
+    except AdapterError as e:
+        raise ShipError(str(e)) from None
+    try:
+        shipped = json.loads((dest / CARD).read_text())
+    except (OSError, ValueError):
+        shipped = {}
+    save_file(tensors, str(out / ADAPTER_WEIGHTS))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta, list(shipped.get("stages") or [])
 
 
 def main() -> int:
@@ -320,6 +365,12 @@ def main() -> int:
     ap.add_argument("--heldout", type=Path, default=ROOT / "docs" / "embedded" / "heldout.json")
     ap.add_argument(
         "--retrain", default="make embedded", help="the command the card names to retrain it"
+    )
+    ap.add_argument(
+        "--onto-shipped",
+        action="store_true",
+        help="the run trained the shipped policy further (fit --model smollm2): ship both "
+        "adapters stacked as one",
     )
     ap.add_argument(
         "--corpus",
@@ -347,6 +398,7 @@ def main() -> int:
             config=a.config,
             earlier=earlier,
             retrain=a.retrain,
+            onto_shipped=a.onto_shipped,
         )
     except ShipError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -87,3 +87,47 @@ def merged_folder_weights(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
     for f in sorted(base.glob("*.safetensors")):
         state.update(load_file(str(f)))
     return merge_adapter(state, adapter)
+
+
+def stack_adapters(
+    state: dict[str, torch.Tensor], lower: Path, upper: Path
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One adapter for the weights ``state`` equal to folding in ``lower`` and then
+    ``upper`` (an adapter trained on ``state`` with ``lower`` folded in, e.g. more
+    training of a shipped policy): ``W + s1 B1 A1 + s2 B2 A2 = W + [s1 B1 | s2 B2] [A1; A2]``,
+    so rank ``r1 + r2`` and ``alpha`` = rank (scale 1). Returns ``(meta, tensors)`` in
+    `read_adapter`'s form, with ``state``'s fingerprint; AdapterError when ``lower`` was
+    not trained on ``state`` or ``upper`` not on ``state`` with ``lower`` in it."""
+    import torch
+
+    merged = merge_adapter(state, lower)  # checks lower's fingerprint against state
+    merge_adapter(merged, upper)  # and upper's against the weights it was trained on
+    parts = []
+    for folder in (lower, upper):
+        meta, tensors = read_adapter(folder)
+        scale = float(meta["alpha"]) / int(meta["rank"])
+        parts.append((int(meta["rank"]), scale, meta, tensors))
+    layers = sorted({k.rpartition(".")[0] for _, _, _, t in parts for k in t})
+    out: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        w = state[f"{layer}.weight"]
+        a_parts, b_parts = [], []
+        for rank, scale, _, tensors in parts:
+            a = tensors.get(f"{layer}.lora_a")
+            b = tensors.get(f"{layer}.lora_b")
+            if a is None or b is None:  # a layer only the other adapter adapts
+                a, b = w.new_zeros(rank, w.shape[1]), w.new_zeros(w.shape[0], rank)
+            a_parts.append(a.to(torch.float32))
+            b_parts.append(b.to(torch.float32) * scale)
+        out[f"{layer}.lora_a"] = torch.cat(a_parts, dim=0).contiguous()
+        out[f"{layer}.lora_b"] = torch.cat(b_parts, dim=1).contiguous()
+    rank = sum(r for r, _, _, _ in parts)
+    targets = sorted({t for _, _, m, _ in parts for t in m.get("targets") or ()})
+    names = [f"{layer}.weight" for layer in layers]
+    meta = {
+        "rank": rank,
+        "alpha": float(rank),
+        "targets": targets,
+        "base_fingerprint": fingerprint(state, names),
+    }
+    return meta, out

@@ -72,6 +72,80 @@ def test_adapter_file_merges_into_the_base_and_refuses_other_weights(tmp_path):
         merge_adapter(base_state, tmp_path / "missing")
 
 
+def _adapter(model, folder: Path, *, rank: int, seed: int) -> None:
+    """A LoRA adapter of ``rank`` on ``model`` with random (non-zero) weights, saved."""
+    apply_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("lora_a", "lora_b")):
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    save_adapter(model, folder)
+
+
+def test_two_adapters_stack_into_one_for_the_base(tmp_path):
+    """An adapter trained on a policy that already folds one in ships as one adapter of
+    the summed rank for the untrained weights: folding it in gives what folding in the
+    two in turn gives."""
+    from opencomposer.agent.backends.adapter import (
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        fingerprint,
+        stack_adapters,
+    )
+    from safetensors.torch import save_file
+
+    base = {k: v.clone() for k, v in tiny_llama(seed=0).state_dict().items()}
+    first = tiny_llama(seed=0)
+    _adapter(first, tmp_path / "a", rank=2, seed=1)
+    shipped = merge_adapter(base, tmp_path / "a")
+    second = tiny_llama(seed=0)
+    second.load_state_dict(shipped)
+    _adapter(second, tmp_path / "b", rank=3, seed=2)
+    want = merge_adapter(shipped, tmp_path / "b")
+
+    meta, tensors = stack_adapters(base, tmp_path / "a", tmp_path / "b")
+    assert meta["rank"] == 5 and meta["alpha"] == 5.0
+    layers = sorted({k.rpartition(".")[0] for k in tensors})
+    assert meta["base_fingerprint"] == fingerprint(base, [f"{x}.weight" for x in layers])
+    (tmp_path / "ab").mkdir()
+    save_file(tensors, str(tmp_path / "ab" / ADAPTER_WEIGHTS))
+    (tmp_path / "ab" / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    got = merge_adapter(base, tmp_path / "ab")
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5)
+    # the second adapter was not trained on the base: not stacked the other way round
+    with pytest.raises(LoraError, match="other base weights"):
+        stack_adapters(base, tmp_path / "b", tmp_path / "a")
+
+
+def test_ship_onto_the_shipped_policy_stacks_the_adapters(tmp_path):
+    from opencomposer.agent.backends.adapter import merge_adapter as fold
+    from opencomposer.training.ship import ShipError, ship
+    from safetensors.torch import save_file
+
+    base = {k: v.clone() for k, v in tiny_llama(seed=0).state_dict().items()}
+    weights = tmp_path / "base"
+    weights.mkdir()
+    save_file(base, str(weights / "model.safetensors"))
+    dest = tmp_path / "shipped"
+    _adapter(tiny_llama(seed=0), dest, rank=2, seed=1)
+    (dest / "model_card.json").write_text(json.dumps({"stages": [{"run": "runs/old"}]}))
+    policy = tiny_llama(seed=0)
+    policy.load_state_dict(fold(base, dest))
+    run = tmp_path / "run"
+    _adapter(policy, run / "checkpoints" / "step_4", rank=3, seed=2)
+    want = fold(fold(base, dest), run / "checkpoints" / "step_4")
+    # shipped as it stands, it would not fold into the base
+    with pytest.raises(ShipError, match="no shipped adapter"):
+        ship(run, dest=tmp_path / "nothing", onto_shipped=True, base_weights=weights)
+    card = ship(run, dest=dest, onto_shipped=True, base_weights=weights)
+    assert card["adapter"]["rank"] == 5
+    assert [st["run"] for st in card["stages"]][0] == "runs/old" and len(card["stages"]) == 2
+    got = fold(base, dest)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5)
+
+
 def test_no_matching_layer_is_an_error():
     with pytest.raises(LoraError, match="no linear layer"):
         apply_lora(tiny_llama(), LoraConfig(rank=2, targets=("nothing",)))
