@@ -626,8 +626,9 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
       it, and after the fix run the module's test file.
 
     Then fix it with ``edit_file`` and run the test again in the same message (one
-    turn an attempt), and answer in a sentence or two. Independent calls share a message, so the policy learns to batch them; the
-    order and wording vary with the task's id (seeded). Raises `DemoError` when the
+    turn an attempt), and answer in a sentence or two. Independent calls share a
+    message, so the policy learns to batch them; the order and wording vary with the
+    task's id (seeded). Raises `DemoError` when the
     request does not lead to the code (an issue that names no function, a test that
     does not call it): such a session would teach guessing.
 

@@ -319,8 +319,8 @@ def _stack_onto(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The shipped adapter in ``dest`` and ``adapter`` (trained on top of it) stacked
     into the folder ``out``: its meta, and the stages of the shipped card."""
-    from opencomposer.agent.backends.adapter import AdapterError, stack_adapters
-    from safetensors.torch import load_file, save_file
+    from opencomposer.agent.backends.adapter import AdapterError, folder_weights, stack_adapters
+    from safetensors.torch import save_file
 
     if not (dest / ADAPTER_WEIGHTS).is_file():
         raise ShipError(f"{dest}: no shipped adapter to train further")
@@ -328,11 +328,8 @@ def _stack_onto(
         from opencomposer.agent.backends.smollm2 import smollm2_path
 
         base_weights = smollm2_path(base=True)
-    state: dict[str, Any] = {}
-    for f in sorted(base_weights.glob("*.safetensors")):
-        state.update(load_file(str(f)))
     try:
-        meta, tensors = stack_adapters(state, dest, adapter)
+        meta, tensors = stack_adapters(folder_weights(base_weights), dest, adapter)
     except AdapterError as e:
         raise ShipError(str(e)) from None
     try:

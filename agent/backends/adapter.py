@@ -78,15 +78,20 @@ def merge_adapter(state: dict[str, torch.Tensor], folder: Path) -> dict[str, tor
     return out
 
 
-def merged_folder_weights(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
-    """The weights of the Hugging Face folder ``base`` (its ``*.safetensors``) with the
-    adapter in ``adapter`` folded in (`merge_adapter`)."""
+def folder_weights(base: Path) -> dict[str, torch.Tensor]:
+    """The weights of the Hugging Face folder ``base`` (its ``*.safetensors``)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(base.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    return merge_adapter(state, adapter)
+    return state
+
+
+def merged_folder_weights(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """The weights of the Hugging Face folder ``base`` with the adapter in ``adapter``
+    folded in (`merge_adapter`)."""
+    return merge_adapter(folder_weights(base), adapter)
 
 
 def stack_adapters(
