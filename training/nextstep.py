@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.protocols import ModelError
+from opencomposer.agent.protocols import ModelError, TurnOutput
 from opencomposer.tools.specs import EDIT_FILE, GREP, READ_FILE, RUN_TERMINAL
 
 ANSWER = "answer"  # the step kind of a turn without calls
@@ -138,23 +138,32 @@ async def replies(
 ) -> list[str | ModelError]:
     """The model's greedy reply at each step (the backend batches concurrent ones), or
     the `ModelError` of a step it could not answer (a prompt over its context window)."""
-    from opencomposer.agent.protocols import Message, Sampling
+    from opencomposer.agent.protocols import Sampling
 
     gate = asyncio.Semaphore(max(1, concurrency))
     sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
 
     async def one(step: Step) -> str | ModelError:
-        msgs = [Message(role=m["role"], content=m["content"]) for m in step.messages]  # type: ignore[arg-type]
         async with gate:
-            stream = model.stream(msgs, sampling)
-            try:
-                async for _ in stream:
-                    pass
-            except ModelError as e:
-                return e
-        return stream.output.text if stream.output else ""
+            out = await answer(model, step, sampling)
+        return out if isinstance(out, ModelError) else out.text
 
     return list(await asyncio.gather(*(one(s) for s in steps)))
+
+
+async def answer(model: Any, step: Step, sampling: Any) -> TurnOutput | ModelError:
+    """``model``'s whole reply to ``step``'s prompt (an empty one when the backend gave
+    no output), or the `ModelError` it raised."""
+    from opencomposer.agent.protocols import Message
+
+    msgs = [Message(role=m["role"], content=m["content"]) for m in step.messages]  # type: ignore[arg-type]
+    stream = model.stream(msgs, sampling)
+    try:
+        async for _ in stream:
+            pass
+    except ModelError as e:
+        return e
+    return stream.output or TurnOutput(text="")
 
 
 def kinds_of(text: str) -> set[str]:
