@@ -1,10 +1,11 @@
 """The fix step of held-out sessions: how often a policy's edit makes the tests pass.
 
-Every held-out reference session (an engineer's session on a project never trained on,
-played through the production agent and tools; `benchmarks/next_step.py` records them
-into `--db`) that resolved its task gives one state: the turn of its first edit, with
-the exact prompt the session had there (the request, the failing run, the function it
-read). Each model answers every state `--k` times at `--temperature`; each reply's
+Each held-out task of a round-robin sample (`--tasks`, projects never trained on) gets a
+reference session: an engineer's session played through the production agent and
+tools, kept in `--db` (never trained on; recorded once, shared with
+`benchmarks/next_step.py`). Each one that resolved its task gives one state: the turn
+of its first edit, with the exact prompt the session had there (the request, the
+failing run, the function it read). Each model answers every state `--k` times at `--temperature`; each reply's
 calls run through the production executor and tools on a fresh sandboxed copy of the
 task, and the task's own tests decide (`training/fixstep.py`, `FixScorer`). The same
 states and grading train the policy in `python -m opencomposer.training.fixstep train`.
@@ -16,7 +17,7 @@ outcomes (resolved; the broken line changed but the tests fail; an edit that lea
 every broken line as it was; an edit that does not apply; no edit):
 
     OPENCOMPOSER_CORPUS=~/.cache/opencomposer/corpus-heldout python benchmarks/fix_step.py \\
-        --db bench-heldout/reference.db --model shipped=vllm:smollm2 \\
+        --tasks 40 --model shipped=vllm:smollm2 \\
         --model rl=vllm:runs/fixstep/checkpoints/step_N
 
 Outputs under `--out` (default `docs/embedded/`): `fix_step.md` and `fix_step.json`;
@@ -42,6 +43,8 @@ from heldout import cpu_model, parse_models  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=40, help="held-out tasks, spread over projects")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--db", type=Path, default=ROOT / "bench-heldout" / "reference.db")
     ap.add_argument("--model", action="append", default=[], metavar="LABEL=SPEC")
     ap.add_argument("--k", type=int, default=8, help="replies per state")
@@ -52,29 +55,35 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "bench-heldout" / "fix_step")
     a = ap.parse_args()
 
+    from opencomposer.training.catalog import load_suite
+    from opencomposer.training.demos import spread
     from opencomposer.training.fixstep import (
-        FixStepError,
         collect,
         fix_states,
         load_traces,
         state_key,
         summary,
-        task_map,
     )
+    from opencomposer.training.nextstep import record_references
 
     models = parse_models(ap, a.model) or [("shipped", "vllm:smollm2")]
-    try:
-        traces = [
-            t
-            for t in load_traces([a.db], source="reference")
-            if (t.get("meta") or {}).get("prompt_style") == a.prompt_style
-        ]
-        tasks = task_map("corpus:heldout")
-        states = [s for s in fix_states(traces) if s.task_id in tasks]
-        if not states:
-            raise FixStepError(f"{a.db}: no resolved reference session of a held-out task")
-    except (FixStepError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    tasks = {t.id: t for t in spread(load_suite("corpus:heldout"), a.tasks, a.seed)}
+    if not tasks:
+        print("error: the corpus has no held-out tasks (build it first)", file=sys.stderr)
+        return 2
+    a.db.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    stats = asyncio.run(record_references(list(tasks.values()), a.db, prompt_style=a.prompt_style))
+    if stats.recorded:
+        print(f"recorded {stats.recorded} reference sessions in {time.perf_counter() - t0:.0f} s")
+    traces = [
+        t
+        for t in load_traces([a.db], source="reference")
+        if (t.get("meta") or {}).get("prompt_style") == a.prompt_style
+    ]
+    states = [s for s in fix_states(traces) if s.task_id in tasks]
+    if not states:
+        print(f"error: {a.db}: no resolved reference session of the sampled tasks", file=sys.stderr)
         return 2
     projects = len({tasks[s.task_id].source for s in states})
     print(

@@ -448,6 +448,7 @@ async def collect(
     from opencomposer.agent.backends import make_model
     from opencomposer.training.env import EnvConfig, EnvironmentServer
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     done = {g["state"] for g in read_groups(out)}
     todo = [s for s in states if state_key(s) not in done and s.task_id in tasks]
     if todo:
