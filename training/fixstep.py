@@ -303,7 +303,6 @@ def train_groups(
     """Policy-gradient steps over the groups with a mixed reward (the others have no
     advantage); returns the number of optimizer steps taken."""
     import torch
-    from opencomposer.training.loss import policy_loss
 
     useful = []
     for g in groups:
@@ -325,7 +324,7 @@ def train_groups(
             trainer.optimizer.zero_grad(set_to_none=True)
             total, clipped = 0.0, 0.0
             for replies, adv in chunk:
-                stats = _group_backward(trainer, replies, adv, tokens, policy_loss)
+                stats = _group_backward(trainer, replies, adv, tokens)
                 total += stats["loss"]
                 clipped += stats["clip_frac"] * stats["tokens"]
             grad_norm = float(
@@ -355,13 +354,13 @@ def train_groups(
 
 
 def _group_backward(
-    trainer: Any, replies: Sequence[Reply], adv: Sequence[float], tokens: float, loss_fn: Any
+    trainer: Any, replies: Sequence[Reply], adv: Sequence[float], tokens: float
 ) -> dict[str, float]:
     """Backward of one group's share of the step's loss: the prompt runs once, and its
     key/value cache (with its graph) serves every reply of the group, so the gradient is
     the whole sequences' while the prompt's forward and backward are paid once."""
     import torch
-    from opencomposer.training.loss import token_logprobs_and_entropy
+    from opencomposer.training.loss import policy_loss, token_logprobs_and_entropy
     from transformers import DynamicCache
 
     model = trainer.model
@@ -387,7 +386,7 @@ def _group_backward(
             ).logits
         logp, _ = token_logprobs_and_entropy(logits, target)
         old = torch.tensor([reply.logprobs], device=trainer.device, dtype=logp.dtype)
-        loss, st = loss_fn(
+        loss, st = policy_loss(
             logp,
             old,
             torch.tensor([a], device=trainer.device),
@@ -511,7 +510,7 @@ def summary(groups: Sequence[dict[str, Any]]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    from opencomposer.training.sft_offline import OfflineError, model_dir, save_adapter_checkpoint
+    from opencomposer.training.sft_offline import OfflineError
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -560,20 +559,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if a.sample_only:
             return 0
-        return _train(a, groups, model_dir, save_adapter_checkpoint, t0)
+        return _train(a, groups, t0)
     except (FixStepError, OfflineError) as e:
         print(f"error: {e}")
         return 2
 
 
-def _train(a: Any, groups: list[dict[str, Any]], model_dir: Any, save: Any, t0: float) -> int:
+def _train(a: Any, groups: list[dict[str, Any]], t0: float) -> int:
     import torch
+    from opencomposer.agent.backends._local import read_model_settings
+    from opencomposer.training.sft_offline import model_dir, save_adapter_checkpoint
     from opencomposer.training.trainer import Trainer, TrainerConfig
 
     torch.manual_seed(a.seed)
     config = TrainerConfig(lr=a.lr, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
     trainer = Trainer.from_pretrained(model_dir(a.model), config)
-    settings = json.loads((model_dir(a.model) / "opencomposer.json").read_text() or "{}")
+    settings = read_model_settings(model_dir(a.model))
     trainer.prompt_style = settings.get("prompt_style")
     trainer.max_turns = settings.get("max_turns")
     metrics = a.out / "metrics.jsonl"
@@ -601,7 +602,7 @@ def _train(a: Any, groups: list[dict[str, Any]], model_dir: Any, save: Any, t0: 
     (a.out / "config.json").write_text(
         json.dumps({"fixstep": vars(a) | {"steps": steps}}, default=str, indent=1) + "\n"
     )
-    folder = save(trainer, a.out / "checkpoints" / f"step_{steps}")
+    folder = save_adapter_checkpoint(trainer, a.out / "checkpoints" / f"step_{steps}")
     print(f"saved {folder} ({steps} steps, {time.time() - t0:.0f} s in all)")
     return 0
 

@@ -185,9 +185,8 @@ def test_the_cached_prompt_gives_the_gradient_of_the_whole_sequence():
     tokens = float(sum(len(r.ids) for r in replies))
 
     ours.optimizer.zero_grad()
-    from opencomposer.training.loss import policy_loss
 
-    fixstep._group_backward(ours, replies, adv, tokens, policy_loss)
+    fixstep._group_backward(ours, replies, adv, tokens)
     samples = [
         Sample(
             input_ids=prompt + r.ids,
