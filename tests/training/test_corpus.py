@@ -724,7 +724,8 @@ from opencomposer.training.corpus import _end_with
 
 def work(folder):
     import tempfile
-    with tempfile.TemporaryDirectory(dir=folder):  # a project's scratch folder
+    with tempfile.TemporaryDirectory(dir=folder) as d:  # a project's scratch folder
+        open(os.path.join(d, "started"), "w").close()  # inside the with: it cleans up
         time.sleep(120)
 
 if __name__ == "__main__":
@@ -756,7 +757,11 @@ def test_build_workers_end_with_the_build(tmp_path: Path) -> None:
     try:
         (worker,) = map(int, parent.stdout.readline().split())  # type: ignore[union-attr]
         deadline = time.monotonic() + 30
-        while not any(scratch.iterdir()) and time.monotonic() < deadline:
+        # killed before its `with` is entered (a loaded machine), the worker would leave
+        # the folder it had just made: wait until it is building
+        while not any((p / "started").exists() for p in scratch.iterdir()):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.1)
         assert any(scratch.iterdir())
         parent.send_signal(signal.SIGKILL)
