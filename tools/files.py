@@ -11,7 +11,9 @@ edit_file matches `old` on a ladder, stopping at the first rung that matches:
 3. line by line, ignoring indentation (then `new` is re-indented by the same delta);
 4. line by line, with runs of whitespace collapsed.
 Models often get whitespace wrong and almost never get the words wrong, so the
-fuzzy rungs fix the common mistake without ever matching different code.
+fuzzy rungs fix the common mistake without ever matching different code. A miss
+shows the closest lines, or, when the file already holds `new`, says the edit was made
+already (a model sending an applied edit again).
 """
 
 from __future__ import annotations
@@ -420,10 +422,37 @@ def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, 
                 out[i : i + len(old_lines)] = repl
             return "\n".join(out), len(hits), f"matched {rung.name}{note}"
 
+    made = _already_made(file_lines, new)
+    if made:
+        where, shown = made
+        raise ToolError(
+            f"old text not found, but the file already holds the new text at {where}: this "
+            "edit was made already and the file has changed since you quoted it; read it "
+            f"again before editing it.\n{shown}"
+        )
     raise ToolError(
         "old text not found (tried exact, then ignoring trailing whitespace, indentation and "
         "whitespace runs). " + _closest(file_lines, old_lines or old.split("\n"))
     )
+
+
+def _already_made(file_lines: list[str], new: str) -> tuple[str, str] | None:
+    """(where, the numbered lines) of the first place the file holds `new` as whole
+    lines, on the first rung that finds it; None if it does not. This is an edit sent
+    again after it was applied."""
+    new_lines = _trim_blank_edges(new.split("\n"))
+    if not any(line.strip() for line in new_lines):
+        return None
+    n = len(new_lines)
+    for rung in _RUNGS:
+        hits = _fuzzy_matches(file_lines, new_lines, rung.norm)
+        if hits:
+            i = hits[0]
+            where = f"line {i + 1}" if n == 1 else f"lines {i + 1}-{i + n}"
+            if len(hits) > 1:
+                where += f" (and {len(hits) - 1} more)"
+            return where, number(file_lines[i : i + n], i + 1)
+    return None
 
 
 def _non_overlapping(hits: list[int], n: int) -> list[int]:

@@ -221,6 +221,24 @@ async def test_edit_not_found_shows_closest_lines(ctx: ToolContext) -> None:
     assert disk(ctx, "src/app.py") == before and not r.edits
 
 
+async def test_edit_sent_again_says_it_was_made(ctx: ToolContext) -> None:
+    edit = dict(path="src/app.py", old="    return a - b", new="    return a + b")
+    assert (await call(ctx, "edit_file", **edit)).status == "ok"
+    after = disk(ctx, "src/app.py")
+    r = await call(ctx, "edit_file", **edit)
+    assert r.status == "error" and not r.edits and disk(ctx, "src/app.py") == after
+    first, shown = r.output.split("\n", 1)
+    assert first.startswith("src/app.py: old text not found, but the file already holds the ")
+    assert "new text at line 5: this edit was made already" in first
+    assert shown == "    5\t    return a + b"
+    # a miss whose new text the file does not hold keeps the closest-lines answer
+    r = await call(ctx, "edit_file", path="src/app.py", old="return a - b", new="return b + a")
+    assert "old text not found (tried exact" in r.output and "already holds" not in r.output
+    # a deletion has no new text to look for
+    r = await call(ctx, "edit_file", path="src/app.py", old="return a - b", new="")
+    assert "already holds" not in r.output
+
+
 async def test_edit_found_twice_lists_lines_then_replace_all(ctx: ToolContext) -> None:
     (ctx.workspace.root / "t.py").write_text("x = 1\ny = 2\nx = 1\n")
     r = await call(ctx, "edit_file", path="t.py", old="x = 1", new="x = 3")
