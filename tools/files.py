@@ -395,6 +395,7 @@ def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, 
         raise ToolError(
             f"old text matches {count} times (at lines {_some(lines)}); "
             'add surrounding lines to make it unique, or set replace_all="true"'
+            + _around(text.split("\n"), [i - 1 for i in lines], old.count("\n") + 1)
         )
 
     file_lines = text.split("\n")
@@ -410,6 +411,7 @@ def _apply(text: str, old: str, new: str, replace_all: bool) -> tuple[str, int, 
                     f"old text matches {len(hits)} times {rung.name} "
                     f"(at lines {_some([i + 1 for i in hits])}); add surrounding lines "
                     'to make it unique, or set replace_all="true"'
+                    + _around(file_lines, hits, len(old_lines))
                 )
             note = ""
             out = list(file_lines)
@@ -453,6 +455,20 @@ def _already_made(file_lines: list[str], new: str) -> tuple[str, str] | None:
                 where += f" (and {len(hits) - 1} more)"
             return where, number(file_lines[i : i + n], i + 1)
     return None
+
+
+def _around(file_lines: list[str], starts: list[int], n: int, most: int = 4) -> str:
+    """The first matches of an ambiguous `old`, numbered, each with the line before and
+    after it: the context that tells them apart, to quote in the next try."""
+    if n > 8:  # a long old text: its lines say enough, the listing would swamp the answer
+        return ""
+    blocks = []
+    for i in starts[:most]:
+        lo, hi = max(0, i - 1), min(len(file_lines), i + n + 1)
+        block = [line if len(line) <= 200 else line[:200] + " …" for line in file_lines[lo:hi]]
+        blocks.append(number(block, lo + 1))
+    more = f"\n({len(starts) - most} more not shown)" if len(starts) > most else ""
+    return ". The matches, with a line either side:\n" + "\n--\n".join(blocks) + more
 
 
 def _non_overlapping(hits: list[int], n: int) -> list[int]:

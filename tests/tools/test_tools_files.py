@@ -243,6 +243,11 @@ async def test_edit_found_twice_lists_lines_then_replace_all(ctx: ToolContext) -
     (ctx.workspace.root / "t.py").write_text("x = 1\ny = 2\nx = 1\n")
     r = await call(ctx, "edit_file", path="t.py", old="x = 1", new="x = 3")
     assert r.status == "error" and "matches 2 times (at lines 1, 3)" in r.output
+    # each match is shown with a line either side, to quote in the next try
+    assert r.output.endswith(
+        "The matches, with a line either side:\n    1\tx = 1\n    2\ty = 2\n--\n"
+        "    2\ty = 2\n    3\tx = 1\n    4\t"
+    )
     r = await call(ctx, "edit_file", path="t.py", old="x = 1", new="x = 3", replace_all="true")
     assert r.status == "ok" and disk(ctx, "t.py") == "x = 3\ny = 2\nx = 3\n"
     assert "2 occurrences" in r.output
@@ -252,6 +257,13 @@ async def test_edit_fuzzy_found_twice(ctx: ToolContext) -> None:
     (ctx.workspace.root / "t.py").write_text("if a:\n    go()\nif b:\n  go()\n")
     r = await call(ctx, "edit_file", path="t.py", old="go()  ", new="stop()")
     assert r.status == "error" and "at lines 2, 4" in r.output
+    assert (
+        "    1\tif a:\n    2\t    go()\n    3\tif b:\n--\n    3\tif b:\n    4\t  go()" in r.output
+    )
+    many = "".join(f"if c{i}:\n    go()\n" for i in range(6))
+    (ctx.workspace.root / "m.py").write_text(many)
+    r = await call(ctx, "edit_file", path="m.py", old="go()", new="stop()")
+    assert r.output.count("\n--\n") == 3 and r.output.endswith("(2 more not shown)")
 
 
 async def test_edit_keeps_crlf(ctx: ToolContext) -> None:
