@@ -14,7 +14,8 @@ It prints one table from this one run: per model, the share of replies that fix 
 bug (the mean over states of each state's share, with its standard error over
 states), the share of states with at least one fixing reply, and the replies' edit
 outcomes (resolved; the broken line changed but the tests fail; an edit that leaves
-every broken line as it was; an edit that does not apply; no edit):
+every broken line as it was; an edit that does not apply; no edit); and a second table
+of the replies that fix the bug by the kind of bug the task's mutation made:
 
     OPENCOMPOSER_CORPUS=~/.cache/opencomposer/corpus-heldout python benchmarks/fix_step.py \\
         --tasks 40 --model shipped=vllm:smollm2 \\
@@ -34,6 +35,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -110,7 +112,12 @@ def main() -> int:
         keys = {state_key(s) for s in states}
         groups = [g for g in groups if g["state"] in keys]
         why = collections.Counter(r.why for g in groups for r in g["replies"])
-        rows[label] = {"spec": spec, **summary(groups), "outcomes": dict(why)}
+        rows[label] = {
+            "spec": spec,
+            **summary(groups),
+            "outcomes": dict(why),
+            "by_kind": by_kind(groups, tasks),
+        }
         print(
             f"{label:10} {spec}: {rows[label]['pass']:.1%} ± {rows[label]['se']:.1%} "
             f"({time.perf_counter() - t0:.0f} s)",
@@ -128,6 +135,7 @@ def main() -> int:
             + " | ".join(f"{r['outcomes'].get(k, 0) / total:.0%}" for k in kinds)
             + " |"
         )
+    lines += ["", kind_table(rows)]
     md = "\n".join(lines)
     print()
     print(md)
@@ -148,6 +156,46 @@ def main() -> int:
     (a.out / "fix_step.md").write_text(f"{title}\n\n{md}\n")
     print(f"wrote {a.out / 'fix_step.md'}, fix_step.json")
     return 0
+
+
+def bug_kind(task: Any) -> str:
+    """The kind of bug the task's mutation made ("two-site" for every pair), from its
+    reference solution: read for the report, never for a reply."""
+    from opencomposer.training.demos import load_solution
+
+    found = load_solution(task, reference=True) or {}
+    return str(found.get("kind", "unknown")).split(":")[0]
+
+
+def by_kind(groups: list[dict[str, Any]], tasks: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per bug kind: the states, the replies and the replies that fix the bug."""
+    out: dict[str, dict[str, int]] = {}
+    for g in groups:
+        row = out.setdefault(bug_kind(tasks[g["task_id"]]), {"states": 0, "replies": 0, "fix": 0})
+        row["states"] += 1
+        row["replies"] += len(g["replies"])
+        row["fix"] += sum(r.why == "resolved" for r in g["replies"])
+    return dict(sorted(out.items()))
+
+
+def kind_table(rows: dict[str, dict[str, Any]]) -> str:
+    """Replies that fix the bug, by the kind of bug, one column per model."""
+    kinds = sorted({k for r in rows.values() for k in r["by_kind"]})
+    lines = [
+        "| bug kind | states | " + " | ".join(rows) + " |",
+        "|---|---|" + "---|" * len(rows),
+    ]
+    for kind in kinds:
+        cells = [
+            r["by_kind"].get(kind, {"states": 0, "replies": 0, "fix": 0}) for r in rows.values()
+        ]
+        states = max(c["states"] for c in cells)
+        lines.append(
+            f"| {kind} | {states} | "
+            + " | ".join(f"{c['fix']}/{c['replies']}" for c in cells)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
