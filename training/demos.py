@@ -575,6 +575,12 @@ UNCHANGED_SHARE = 0.5
 # changes before the right one: the policy sees that a second failure, too, leads to
 # another attempt while turns remain.
 TWICE_SHARE = 0.4
+# Of the recoveries whose fix quotes lines around the broken one because that line alone
+# occurs more than once in the file, this share first sends the broken line alone, as
+# the trained policy does: the tool refuses it and lists the matches with a line either
+# side, and the next turn quotes the lines around the right one. The refused turn is
+# played, not trained on.
+AMBIGUOUS_SHARE = 0.6
 
 
 def wrong_fix(task: Any, edit: dict[str, Any]) -> str | None:
@@ -613,6 +619,19 @@ def wrong_fixes(task: Any, edit: dict[str, Any], n: int) -> list[str]:
     return rng.sample(sorted(options), min(n, len(options)))
 
 
+def ambiguous_line(task: Any, edit: dict[str, Any]) -> tuple[str, str, int] | None:
+    """(the broken line, its fix, how often the file holds it) when the solution edit
+    quotes lines around one changed line because that line alone is not unique in the
+    file; None otherwise."""
+    old, new = str(edit["old"]).split("\n"), str(edit["new"]).split("\n")
+    changed = [i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b]
+    if len(old) < 2 or len(old) != len(new) or len(changed) != 1:
+        return None
+    line = old[changed[0]]
+    count = _source(task, str(edit["path"])).count(line) if line.strip() else 0
+    return (line, new[changed[0]], count) if count > 1 else None
+
+
 def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = None) -> Plan:
     """What a good engineer does with a bug report, as assistant turns, each step
     derived from what the session shows at that point (the request, then the tool
@@ -637,7 +656,10 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     untrained; two for a seeded `TWICE_SHARE` where the budget allows), each with the
     rerun that fails, then the edit that corrects it; or, for a seeded
     `UNCHANGED_SHARE` of them and where no wrong edit fits, an edit whose <new> repeats
-    <old> (untrained, refused by the tool), then the edit with the change."""
+    <old> (untrained, refused by the tool), then the edit with the change. Where the
+    broken line alone is not unique in the file (`ambiguous_line`), a seeded
+    `AMBIGUOUS_SHARE` of the recoveries send it alone first instead (untrained, refused
+    with the matches listed), then the edit that quotes the lines around it."""
     rng = random.Random(hashlib.sha1(str(task.id).encode()).hexdigest())
     edits = [e for e in solution.get("edits", []) if isinstance(e, dict)]
     functions = [str(f) for f in solution.get("functions", [])]
@@ -779,6 +801,14 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         recovery = draw.random() < RECOVERY_SHARE
     wrongs: list[str] = []
     unchanged = False
+    fits = recovery and len(edits) == 1 and len(turns) + 3 <= DEMO_MAX_TURNS
+    alone = ambiguous_line(task, edits[0]) if fits else None
+    if alone:  # this recovery sends the broken line alone first, or not at all
+        draw = random.Random(hashlib.sha1(f"{task.id}|ambiguous".encode()).hexdigest())
+        if draw.random() < AMBIGUOUS_SHARE:
+            recovery = False
+        else:
+            alone = None
     if recovery:
         draw = random.Random(hashlib.sha1(f"{task.id}|unchanged".encode()).hexdigest())
         if (
@@ -823,6 +853,25 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
                     f"The test still fails: my change was wrong. Looking again: {what}.",
                 ],
                 [_edit_call(path, before, str(e["new"])), rerun],
+            )
+        )
+    elif alone:
+        e = edits[0]
+        path, (line, fixed, count) = str(e["path"]), alone
+        untrained.append(len(turns))
+        changes = [(str(e["old"]), str(e["new"]))]
+        turns.append(_say(rng, fixing(changes), [_edit_call(path, line, fixed), rerun]))
+        where = f"line {e.get('line')}" if e.get("line") else "the function I read"
+        turns.append(
+            _say(
+                rng,
+                [
+                    f"`{line.strip()}` is in {count} places in {path}; quoting the lines "
+                    f"around the one at {where} makes the edit unique.",
+                    f"That line occurs {count} times. The one to fix is at {where}, so "
+                    "the edit takes the lines around it too.",
+                ],
+                [*edit, rerun],
             )
         )
     elif unchanged:

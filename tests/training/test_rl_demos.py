@@ -411,6 +411,43 @@ def test_an_unchanged_edit_demo_is_refused_then_made_with_the_change(tmp_path, m
     assert k in plan.grounded  # the failing turn quotes the run, as a plain one does
 
 
+TWICE_CART = CART + "\n    def prices(self):\n" + CART_LINE + "\n"
+WIDE_FIX = {
+    "path": "shop/cart.py",
+    "old": "    def subtotal(self):\n" + CART_LINE + "\n",
+    "new": "    def subtotal(self):\n" + LINE_FIX["new"] + "\n",
+    "line": 6,
+}
+WIDE_SOLUTION = {**SOLUTION, "edits": [WIDE_FIX]}
+
+
+def test_an_ambiguous_line_demo_sends_it_alone_then_quotes_the_lines_around_it(
+    tmp_path, monkeypatch
+):
+    """The policy's second failure, played and left out of the loss: the broken line
+    alone, which the file holds twice; the next turn sends the solution's wider edit."""
+    monkeypatch.setattr(demos, "AMBIGUOUS_SHARE", 1.0)
+    task = _corpus_task(tmp_path, ONE_LINE, cart=TWICE_CART)
+    assert demos.ambiguous_line(task, WIDE_FIX) == (CART_LINE, LINE_FIX["new"], 2)
+    plain = demo_plan(task, WIDE_SOLUTION, recovery=False)
+    plan = demo_plan(task, WIDE_SOLUTION, recovery=True)
+    assert len(plan.turns) == len(plain.turns) + 1 <= DEMO_MAX_TURNS
+    (k,) = plan.untrained
+    assert plan.must_fail == () and k in plan.grounded
+    alone = f"<old>{CART_LINE}</old>\n<new>{LINE_FIX['new']}</new>"
+    assert alone in plan.turns[k] and _rerun(plan.turns[k]) == _rerun(plain.turns[-2])
+    said, calls = plan.turns[k + 1].split("\n", 1)
+    assert "<" not in said and "2" in said and "line 6" in said
+    assert calls == plain.turns[-2].split("\n", 1)[1]  # the wide edit and the rerun
+    assert plan.turns[k + 2 :] == plain.turns[-1:]
+    # not drawn: another recovery; a line the file holds once: never
+    monkeypatch.setattr(demos, "AMBIGUOUS_SHARE", 0.0)
+    assert alone not in "".join(demo_plan(task, WIDE_SOLUTION, recovery=True).turns)
+    once = _corpus_task(tmp_path, ONE_LINE)
+    assert demos.ambiguous_line(once, WIDE_FIX) is None
+    assert demos.ambiguous_line(task, LINE_FIX) is None  # nothing around the line to quote
+
+
 def test_untrained_turns_stay_in_the_context_out_of_the_loss():
     turns = [
         Turn(prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[0.0, 0.0]),
@@ -545,6 +582,31 @@ def test_an_unchanged_edit_demo_through_the_real_session(tmp_path, tokenizer, mo
     edits = [(c["turn"], c["status"]) for c in tr["tool_calls"] if c["name"] == "edit_file"]
     assert edits == [(k + 1, "error"), (k + 2, "ok")]
     assert f"<new>{CART_LINE}</new>" not in trained and f"<new>{LINE_FIX['new']}</new>" in trained
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_an_ambiguous_line_demo_through_the_real_session(tmp_path, tokenizer, monkeypatch):
+    """Played in the sandbox: the tool refuses the line alone and lists both places,
+    the wider edit applies and the test passes; SFT learns every turn but the refused one."""
+    monkeypatch.setattr(demos, "AMBIGUOUS_SHARE", 1.0)
+    monkeypatch.setattr(demos, "RECOVERY_SHARE", 1.0)
+    task = cart_task(tmp_path, split="train", cart=TWICE_CART, solution=WIDE_SOLUTION)
+    (k,) = demo_plan(task, load_solution(task)).untrained
+    store = TraceStore(tmp_path / "demos.db")
+    stats = record_in_sandbox([task], store, tmp_path)
+    assert stats.accepted == stats.recorded == 1, stats.failed
+    tr = store.export(stats.session_ids[0])
+    store.close()
+    assert tr["meta"]["untrained_turns"] == [k + 1]
+    edits = [c for c in tr["tool_calls"] if c["name"] == "edit_file"]
+    assert [(c["turn"], c["status"]) for c in edits] == [(k + 1, "error"), (k + 2, "ok")]
+    assert "matches 2 times (at lines 6, 9)" in edits[0]["result"]
+    assert "    5\t    def subtotal(self):\n    6\t" + CART_LINE in edits[0]["result"]
+    (s,) = samples_from_traces([tr], tokenizer=tokenizer).samples
+    trained = tokenizer.chat.hf.decode([i for i, m in zip(s.input_ids, s.mask, strict=True) if m])
+    assert (
+        f"<old>{CART_LINE}</old>" not in trained and "def subtotal(self):\n" + CART_LINE in trained
+    )
 
 
 def test_demonstrations_come_from_the_demo_suite_when_one_is_named(tmp_path, monkeypatch):
