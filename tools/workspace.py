@@ -552,9 +552,10 @@ def not_found(ws: Workspace, key: str, what: str = "file", *, otherwise: str = "
     """`{what} not found: KEY`, naming up to three paths the caller may have meant.
 
     Models often name a file by its base name (`test_x.py` for `tests/test_x.py`)
-    or drop a leading folder (`pkg/mod.py` for `src/pkg/mod.py`). Ranked: a path
-    that ends with every part of `key`, then one with the same base name, then the
-    same base name in another case; shorter paths first. `what` is "file",
+    or drop a leading folder (`pkg/mod.py` for `src/pkg/mod.py`), or name a package
+    as a module (`pkg.py` for `src/pkg/__init__.py`). Ranked: a path that ends with
+    every part of `key`, then one with the same base name or the package's
+    `__init__.py`, then the same base name in another case; shorter paths first. `what` is "file",
     "directory" or "path" (either), which also says what may match. `otherwise` is
     the advice given in brackets when nothing is near."""
     near = similar_paths(ws, key, files=what != "directory", dirs=what != "file")
@@ -573,6 +574,7 @@ def similar_paths(ws: Workspace, key: str, *, files: bool = True, dirs: bool = F
     tail = "/" + key
     name = key.rsplit("/", 1)[-1]
     folded = name.casefold()
+    package = key[: -len(".py")] + "/__init__.py" if key.endswith(".py") else ""
     ranked: list[tuple[int, int, str]] = []
     seen: set[str] = set()
 
@@ -583,7 +585,7 @@ def similar_paths(ws: Workspace, key: str, *, files: bool = True, dirs: bool = F
         base = rel.rsplit("/", 1)[-1]
         if rel.endswith(tail):
             rank = 0
-        elif base == name:
+        elif base == name or package and (rel == package or rel.endswith("/" + package)):
             rank = 1
         elif base.casefold() == folded:
             rank = 2

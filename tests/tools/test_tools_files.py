@@ -101,7 +101,8 @@ async def test_a_missing_path_names_the_files_it_may_mean(ctx: ToolContext) -> N
     """A base name alone, a path short of its leading folder, or the wrong case: the
     error names the existing files (not ignored ones), nearest first, on one line."""
     root = ctx.workspace.root
-    for rel in ["tests/test_app.py", "src/pkg/mod.py", "lib/pkg/mod.py", "build/test_app.py"]:
+    made = ["tests/test_app.py", "src/pkg/mod.py", "lib/pkg/mod.py", "build/test_app.py"]
+    for rel in [*made, "src/shop/__init__.py"]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x = 1\n")
     (root / ".gitignore").write_text("build/\n")
@@ -119,6 +120,9 @@ async def test_a_missing_path_names_the_files_it_may_mean(ctx: ToolContext) -> N
         ("list_dir", {"path": "app.py"}, "directory not found: app.py"),
         ("grep", {"pattern": "x", "path": "pkg"}, "path not found: pkg; did you mean one of: lib"),
         ("read_lints", {"paths": "mod.py"}, "path not found: mod.py; did you mean " + both),
+        # a package named as a module
+        ("read_file", {"path": "shop.py"}, "did you mean src/shop/__init__.py?"),
+        ("edit_file", {"path": "src/shop.py", "old": "a", "new": "b"}, "src/shop/__init__.py?"),
     ]
     for tool, args, message in cases:
         r = await call(ctx, tool, **args)
