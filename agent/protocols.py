@@ -53,6 +53,11 @@ class ModelError(Exception):
     """The backend failed (engine crash, HTTP error, broken stream)."""
 
 
+class PromptTooLong(ModelError):
+    """The prompt does not fit the model's context window: this request fails, the
+    model is fine."""
+
+
 @runtime_checkable
 class ModelStream(Protocol):
     """Async iterator of text deltas; `output` is set once iteration has finished."""

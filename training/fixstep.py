@@ -140,7 +140,7 @@ async def sample_groups(
     its prefix cache serves a state's prompt to all ``k``). A state whose prompt the
     model cannot take (over its context window) gets an empty group. ``on_group`` is
     awaited with each finished group, in no particular order."""
-    from opencomposer.agent.protocols import ModelError, Sampling
+    from opencomposer.agent.protocols import ModelError, PromptTooLong, Sampling
     from opencomposer.training.nextstep import answer
 
     gate = asyncio.Semaphore(max(1, concurrency))
@@ -151,6 +151,8 @@ async def sample_groups(
     async def one(state: Step) -> Reply | None:
         async with gate:
             out = await answer(model, state, sampling)
+        if isinstance(out, PromptTooLong):  # this state only: its group stays empty
+            return None
         if isinstance(out, ModelError):
             errors.append(str(out))
             return None

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.protocols import Message, ModelError
+from opencomposer.agent.protocols import Message, ModelError, PromptTooLong
 
 DEFAULT_CONTEXT_WINDOW = 8192
 
@@ -124,6 +124,6 @@ class ChatTokenizer:
 
 def check_fits(prompt_len: int, window: int) -> None:
     if prompt_len >= window:
-        raise ModelError(
+        raise PromptTooLong(
             f"the prompt is {prompt_len} tokens, over the model's context window of {window}"
         )

@@ -121,6 +121,8 @@ class Sampler:
                 return self.gen()
 
             async def gen(self):
+                if isinstance(text, Exception):  # as a backend fails: while streaming
+                    raise text
                 yield text
                 self.output = TurnOutput(
                     text=text,
@@ -147,6 +149,21 @@ def test_each_state_gets_k_sampled_replies_with_their_tokens():
     assert [r.text for r in group] == [EDIT] * 3 and group[0].ids == [4, 5]
     assert group[0].logprobs == [-1.0, -2.0] and group[0].prompt_ids == [1, 2, 3]
     assert model.temperatures == [0.8] * 3 and seen == [("a:2", 3)]
+
+
+def test_a_prompt_over_the_window_leaves_its_group_empty_and_a_failing_model_is_an_error():
+    from opencomposer.agent.protocols import ModelError, PromptTooLong
+
+    long = Step("b", "t2", 2, [{"role": "user", "content": "p2"}], "")
+    states = [long, Step("a", "t1", 2, [{"role": "user", "content": "p1"}], "")]
+    model = Sampler({"p1": EDIT, "p2": PromptTooLong("the prompt is 9000 tokens, over ...")})
+    empty, group = asyncio.run(sample_groups(model, states, k=2, temperature=0.8))
+    assert empty == [] and len(group) == 2
+    # only states over the window: nothing to sample, and no error
+    assert asyncio.run(sample_groups(model, [long], k=2, temperature=0.8)) == [[]]
+    broken = Sampler({"p2": ModelError("engine died")})
+    with pytest.raises(fixstep.FixStepError, match="answered no state: engine died"):
+        asyncio.run(sample_groups(broken, [long], k=2, temperature=0.8))
 
 
 def _lora_trainer(seed=0):
