@@ -10,8 +10,10 @@ one table, from this one run, and writes it with a plot:
     python benchmarks/heldout.py --tasks 60 --max-turns 8 --run runs/embedded \\
         --model base=smollm2-base --model shipped=smollm2
 
-The table also counts the episodes that changed every broken line, fixed or not (the
-corpus's part-credit reward check, `corpus.touched_check`).
+The table also counts the episodes whose reads showed every broken line (the code to
+fix was found) and those that changed every broken line, fixed or not (the corpus's
+part-credit reward check, `corpus.touched_check`); both read the reference solution
+for the report only.
 
 Outputs under `--out` (default `docs/embedded/`): `heldout.json` (every model's
 `bench` report summary), `heldout.md` (the table), `heldout.png` (resolve rate with
@@ -128,16 +130,55 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def lines_read(traces: Path, tasks: dict[str, Any]) -> int:
+    """Episodes (the newest of each task in `traces`) whose `read_file` results showed
+    every broken line, by the reference solution's lines, read for the report only: how
+    often the policy found the code it had to fix."""
+    import re
+    import sqlite3
+
+    from opencomposer.tools.specs import READ_FILE
+    from opencomposer.training.demos import load_solution
+
+    if not traces.is_file():
+        return 0
+    db = sqlite3.connect(f"file:{traces}?mode=ro", uri=True)
+    try:
+        newest: dict[str, tuple[float, str]] = {}
+        for sid, started, meta in db.execute("SELECT id, started, meta FROM sessions"):
+            task_id = json.loads(meta or "{}").get("task_id")
+            if task_id in tasks and started >= newest.get(task_id, (-1.0, ""))[0]:
+                newest[task_id] = (started, sid)
+        found = 0
+        for task_id, (_, sid) in newest.items():
+            solution = load_solution(tasks[task_id], reference=True) or {}
+            sites = {(str(e["path"]), int(e.get("line", 1))) for e in solution.get("edits", [])}
+            seen: set[tuple[str, int]] = set()
+            rows = db.execute(
+                "SELECT args, result FROM tool_calls WHERE session_id = ? AND name = ? "
+                "AND status = 'ok'",
+                (sid, READ_FILE),
+            )
+            for args, result in rows:
+                path = str(json.loads(args or "{}").get("path", "")).removeprefix("./")
+                seen |= {(path, int(n)) for n in re.findall(r"^\s*(\d+)\t", result or "", re.M)}
+            found += bool(sites) and sites <= seen
+        return found
+    finally:
+        db.close()
+
+
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     lines = [
-        "| model | resolved | resolve rate ± SE | broken lines changed | turns | tokens | tool calls | parallel calls / turn | edit failures |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | resolved | resolve rate ± SE | broken lines read | broken lines changed | turns | tokens | tool calls | parallel calls / turn | edit failures |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, s in rows:
         n = s["n_tasks"] or 1
         lines.append(
             f"| {label} (`{s['model']}`) | {s['resolved']}/{s['n_tasks']} | "
             f"{s['resolve_rate']:.1%} ± {s['resolve_rate_se']:.1%} | "
+            f"{s.get('lines_read', 0)}/{s['n_tasks']} | "
             f"{s.get('lines_changed', 0)}/{s['n_tasks']} | {s['turns']['mean']:.2f} | "
             f"{s['tokens']['mean']:.0f} | {s['tool_calls']['mean']:.2f} | "
             f"{s['parallel_calls_per_turn']:.2f} | {s['edit_failures'] / n:.2f} per task |"
@@ -194,6 +235,9 @@ def main() -> int:
         models = [("base", "smollm2-base"), *run_models(a.run)]
     suite = Path(tempfile.mkdtemp(prefix="heldout-"))
     ids = sample_suite(a.tasks, a.seed, suite, a.split)
+    from opencomposer.training.catalog import load_suite
+
+    tasks = {t.id: t for t in load_suite(f"corpus:{a.split}") if t.id in set(ids)}
     print(
         f"{what}: {len(ids)} tasks, {a.max_turns} turns each; CPU {cpu_model()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
@@ -210,6 +254,7 @@ def main() -> int:
             out=a.work / label.replace("+", "_"),
         )
         s = summary(report)
+        s["lines_read"] = lines_read(a.work / label.replace("+", "_") / "traces.db", tasks)
         rows.append((label, s))
         print(
             f"{label:8} {spec}: {s['resolved']}/{s['n_tasks']} resolved "

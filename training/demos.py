@@ -544,6 +544,106 @@ def _locate_pattern(function: str) -> str:
     return rf"def {function.rsplit('.', 1)[-1]}\b"
 
 
+# The grep tool shows this many matches (tools/search.py's GREP_MAX_SHOWN); a hit past
+# it is not on the screen to be chosen.
+GREP_SHOWN = 200
+
+
+def _py_files(task: Any, scope: str = "") -> dict[str, str]:
+    """The task's workspace ``.py`` files under ``scope`` (a file or a folder; "" for
+    all), path -> text, in path order: what a ``grep`` over them reads."""
+    out: dict[str, str] = {}
+    try:
+        with tarfile.open(task.repo_tar) as tar:
+            for m in tar.getmembers():
+                name = m.name.removeprefix("./")
+                under = not scope or name == scope or name.startswith(scope.rstrip("/") + "/")
+                if m.isfile() and name.endswith(".py") and under:
+                    member = tar.extractfile(m)
+                    if member is not None:
+                        out[name] = member.read().decode("utf-8", "replace")
+    except (OSError, tarfile.TarError):
+        return {}
+    return dict(sorted(out.items()))
+
+
+def grep_hits(task: Any, pattern: str, scope: str = "") -> list[tuple[str, int, str]]:
+    """``(path, line, text)`` of each line of the task's ``.py`` files matching
+    ``pattern``, in the order the grep tool lists them (path, then line)."""
+    regex = re.compile(pattern)
+    return [
+        (path, n, text)
+        for path, source in _py_files(task, scope).items()
+        for n, text in enumerate(source.split("\n"), 1)
+        if regex.search(text)
+    ]
+
+
+def _is_test_file(path: str) -> bool:
+    parts = Path(path).parts
+    name = parts[-1] if parts else ""
+    return (
+        any(p in ("test", "tests", "testing") for p in parts[:-1])
+        or name.startswith("test_")
+        or name.endswith("_test.py")
+        or name == "conftest.py"
+    )
+
+
+def locate_call(
+    task: Any, function: str, path: str, line: int, *, scope: str = "", seen: str = ""
+) -> str:
+    """The ``grep`` call that finds the definition of ``function`` (at ``line`` of
+    ``path``) so that which hit to read next follows from its listing alone, never from
+    the solution:
+
+    - ``def NAME`` when it has one hit in ``scope`` (a file, or every ``.py`` file);
+    - else, where ``seen`` (what the session showed: the request, the test read) names
+      the owner (``Owner.NAME``: its class, or the function it is nested in),
+      ``class Owner|def NAME``: the hit to read is the first ``def NAME`` after the
+      owner's line, in the owner's file;
+    - else ``def NAME`` when exactly one of its hits is outside the tests.
+
+    Raises `DemoError` when none of these picks the definition: reading the right one
+    of several hits would teach guessing."""
+    parts = function.split(".")
+    name = parts[-1]
+    plain = _locate_pattern(function)
+    site = (path, function_lines(task, path, line)[0])
+    hits = grep_hits(task, plain, scope)
+    if [h[:2] for h in hits] == [site]:
+        return _grep_call(plain, scope)
+    owner = parts[-2] if len(parts) > 1 else ""
+    if owner and re.search(rf"\b{re.escape(owner)}\b", seen):
+        text = _source(task, path)
+        word = "class" if re.search(rf"^\s*class {re.escape(owner)}\b", text, re.M) else "def"
+        pattern = rf"{word} {owner}\b|{plain}"
+        anchor = re.compile(rf"^\s*(?:async\s+)?{word} {re.escape(owner)}\b")
+        shown = grep_hits(task, pattern, scope)[:GREP_SHOWN]
+        pick, in_file = None, ""
+        for p, n, text_line in shown:
+            if anchor.search(text_line):
+                in_file = p
+            elif p == in_file and re.search(plain, text_line):
+                pick = (p, n)
+                break
+        if pick == site:
+            return _grep_call(pattern, scope)
+    outside = [h[:2] for h in hits[:GREP_SHOWN] if not _is_test_file(h[0])]
+    if outside == [site]:
+        return _grep_call(plain, scope)
+    raise DemoError(
+        f"task {task.id}: a grep finds {len(hits)} definitions of {name} and nothing the "
+        "session shows tells which one is meant"
+    )
+
+
+def _grep_call(pattern: str, scope: str) -> str:
+    if scope.endswith(".py"):
+        return render_call(GREP, pattern=pattern, path=scope)
+    return render_call(GREP, pattern=pattern, glob="*.py")
+
+
 def _called_name(function: str) -> str:
     """The word a caller of ``function`` writes: its name, or its class for a dunder."""
     parts = function.split(".")
@@ -644,6 +744,11 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
     - it names only the function: grep for its ``def`` (or ``codebase_search``), read
       it, and after the fix run the module's test file.
 
+    A grep for a definition is `locate_call`'s: where the name has several, it also
+    matches the owner the session has shown (``class Owner|def NAME``), so the hit the
+    read starts from follows from the listing; a task where nothing shown tells the
+    hits apart is not demonstrated.
+
     Then fix it with ``edit_file`` and run the test again in the same message (one
     turn an attempt), and answer in a sentence or two. Independent calls share a
     message, so the policy learns to batch them; the order and wording vary with the
@@ -679,11 +784,8 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         lo, hi = function_lines(task, path, line)
         return render_call(READ_FILE, path=path, start_line=lo, end_line=hi)
 
-    def grep_site(function: str, path: str = "") -> str:
-        pattern = _locate_pattern(function)
-        if path:
-            return render_call(GREP, pattern=pattern, path=path)
-        return render_call(GREP, pattern=pattern, glob="*.py")
+    def grep_site(function: str, path: str, line: int, *, scope: str = "", seen: str) -> str:
+        return locate_call(task, function, path, line, scope=scope, seen=seen)
 
     edit = [_edit_call(str(e["path"]), str(e["old"]), str(e["new"])) for e in edits]
     turns: list[str] = []
@@ -710,7 +812,8 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
                 [render_call(READ_FILE, path=file, start_line=lo, end_line=hi)],
             )
         )
-        greps = list(dict.fromkeys(grep_site(f) for _, f, _ in sites))
+        shown = f"{task.query}\n{found[3]}"
+        greps = list(dict.fromkeys(grep_site(f, p, ln, seen=shown) for p, f, ln in sites))
         turns.append(_say(rng, ["Now find where that is defined."], greps))
         turns.append(
             _say(
@@ -730,7 +833,13 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
             for p in dict.fromkeys(p for p, _, _ in sites)
             if p in whole
         ]
-        first += list(dict.fromkeys(grep_site(f, p) for p, f, _ in sites if p not in whole))
+        first += list(
+            dict.fromkeys(
+                grep_site(f, p, ln, scope=p, seen=task.query)
+                for p, f, ln in sites
+                if p not in whole
+            )
+        )
         then = [read_site(p, ln) for p, _, ln in sites if p not in whole]
         if rng.random() < 0.7:
             turns.append(
@@ -753,9 +862,11 @@ def expert_plan(task: Any, solution: dict[str, Any], *, recovery: bool | None = 
         named = {f.rsplit(".", 1)[-1] for f in req.functions}
         if not named or not all(f.rsplit(".", 1)[-1] in named for _, f, _ in sites):
             raise DemoError(f"task {task.id}: the request names no function to look for")
-        if rng.random() < 0.7:
-            locate = list(dict.fromkeys(grep_site(f) for _, f, _ in sites))
-        else:
+        locate = list(dict.fromkeys(grep_site(f, p, ln, seen=task.query) for p, f, ln in sites))
+        # semantic search too, where one definition has the name (where hits need the
+        # owner to tell them apart, the grep shows how)
+        unique = all(len(grep_hits(task, _locate_pattern(f))) == 1 for _, f, _ in sites)
+        if rng.random() >= 0.7 and unique:
             locate = [render_call(CODEBASE_SEARCH, query=" ".join(sorted(req.functions)))]
         turns.append(
             _say(rng, ["Let me find where it is defined.", "Searching for the code."], locate)

@@ -316,6 +316,54 @@ def test_a_method_is_found_by_its_own_def_and_read_from_the_hit(tmp_path):
     assert function_lines(task, "shop/cart.py", 70) == (1, 75)  # stretched to show the line
 
 
+TWO_CARTS = (
+    "class Order:\n"
+    "    def subtotal(self):\n"
+    "        return 0\n"
+    "\n"
+    "\n"
+    "class Cart:\n"
+    "    def __init__(self):\n"
+    "        self.items = []\n"
+    "\n"
+    "    def subtotal(self):\n"
+    "        return sum(p for p, q in self.items)\n"
+)
+TWO_FIX = {**CART_FIX, "line": 11}
+TWO_SOLUTION = {**SOLUTION, "edits": [TWO_FIX]}
+
+
+def test_a_definition_with_several_hits_is_found_by_what_the_session_shows(tmp_path):
+    from opencomposer.training.demos import grep_hits, locate_call
+
+    issue = "Bug report: `Cart.subtotal` in shop gives wrong results.\n\n```\nE  1 != 2\n```\n"
+    task = _corpus_task(tmp_path, issue, cart=TWO_CARTS)
+    # `def subtotal` has two hits; the owner's line comes before the one to read
+    call = locate_call(task, "Cart.subtotal", "shop/cart.py", 11, seen=issue)
+    assert call == '<grep pattern="class Cart\\b|def subtotal\\b" glob="*.py"/>'
+    pattern = re.search(r'pattern="([^"]+)"', call).group(1)
+    assert [h[1] for h in grep_hits(task, pattern)] == [2, 6, 10]
+    turns = demo_turns(task, TWO_SOLUTION)
+    assert call in turns[0]
+    assert '<read_file path="shop/cart.py" start_line="10" end_line="49"/>' in turns[1]
+    assert "codebase_search" not in "".join(turns)  # its hits would need guessing
+
+    # a session that never showed the owner cannot tell the hits apart: not demonstrated
+    with pytest.raises(DemoError, match="2 definitions of subtotal"):
+        locate_call(task, "Cart.subtotal", "shop/cart.py", 11, seen="the cart is wrong")
+    # one hit of the name: the plain grep, scoped to a named file where there is one
+    one = _corpus_task(tmp_path, issue)
+    assert locate_call(one, "Cart.subtotal", "shop/cart.py", 6, scope="shop/cart.py") == (
+        '<grep pattern="def subtotal\\b" path="shop/cart.py"/>'
+    )
+    # a test helper of the same name: the one hit outside the tests is the definition
+    helper = CART_TEST + "\n\ndef subtotal(items):\n    return 0\n"
+    both = _corpus_task(tmp_path, issue + " ", test=helper)
+    assert locate_call(both, "Cart.subtotal", "shop/cart.py", 6, seen="") == (
+        '<grep pattern="def subtotal\\b" glob="*.py"/>'
+    )
+
+
 # The corpus's reference fixes are whole lines, broken -> fixed.
 CART_LINE = "        return sum(p for p, q in self.items)"
 LINE_FIX = {

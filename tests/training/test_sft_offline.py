@@ -165,3 +165,35 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
     at = sft_offline.schedule(1.0, total=100, warmup=10)
     assert at(1) == pytest.approx(0.1) and at(10) == pytest.approx(1.0)
     assert at(55) == pytest.approx(0.55) and at(100) == pytest.approx(0.1)
+
+
+def test_heldout_counts_the_episodes_that_read_every_broken_line(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    task_dir = tmp_path / "t1"
+    task_dir.mkdir()
+    edits = [{"path": "a.py", "old": "x", "new": "y", "line": 12}]
+    (task_dir / "solution.json").write_text(json.dumps({"edits": edits}))
+    tasks = {"t1": SimpleNamespace(id="t1", dir=task_dir, split="heldout")}
+    store = TraceStore(tmp_path / "traces.db")
+
+    def episode(sid, reads):
+        session(store, sid, tmp_path, source="bench", accepted=False)
+        store.set_meta(sid, task_id="t1")
+        for i, (path, lines) in enumerate(reads):
+            result = "".join(f"{n:>6}\tline {n}\n" for n in lines)
+            store.write_call(
+                sid, 0, call_id=f"c{i}", index=i, name="read_file", args={"path": path},
+                status="ok", result=result, t_start=0, t_end=1,
+            )  # fmt: skip
+
+    episode("early", [("a.py", range(10, 20))])  # an older session of the task
+    episode("late", [("a.py", range(1, 12)), ("b.py", range(10, 20))])  # missed line 12
+    store.close()
+    assert heldout_module().lines_read(tmp_path / "traces.db", tasks) == 0
+    store = TraceStore(tmp_path / "traces.db")
+    episode("last", [("./a.py", range(1, 12)), ("a.py", range(12, 30))])
+    store.close()
+    assert heldout_module().lines_read(tmp_path / "traces.db", tasks) == 1
+    assert heldout_module().lines_read(tmp_path / "absent.db", tasks) == 0
