@@ -1052,6 +1052,39 @@ def _failed_as_planned(trace: dict[str, Any], plan: Plan) -> bool:
     return True
 
 
+def shown_lines(trace: dict[str, Any], before_turn: int) -> set[tuple[str, int]]:
+    """``(path, line)`` of every file line a successful ``read_file`` (its numbered
+    lines) or ``grep`` (its ``path:line:`` hits) showed in the trace's turns before
+    ``before_turn`` (trace turns count from 1)."""
+    shown: set[tuple[str, int]] = set()
+    for c in trace.get("tool_calls", []):
+        if c.get("turn", before_turn) >= before_turn or c.get("status") != "ok":
+            continue
+        result = str(c.get("result") or "")
+        if c.get("name") == READ_FILE:
+            args = c.get("args") or {}
+            path = str(args.get("path", "") if isinstance(args, dict) else "")
+            path = path.removeprefix("./")
+            shown |= {(path, int(n)) for n in _NUMBERED.findall(result)}
+        elif c.get("name") == GREP:
+            shown |= {(p, int(n)) for p, n in _HIT.findall(result)}
+    return shown
+
+
+_NUMBERED = re.compile(r"^ *(\d+)\t", re.M)  # a read_file line: "    42\tcode"
+_HIT = re.compile(r"^([^\s:][^:\n]*):(\d+):", re.M)  # a grep hit: "pkg/mod.py:42:code"
+
+
+def _grounded(trace: dict[str, Any], plan: Plan) -> bool:
+    """Whether every line each fixing turn fixes was on screen before that turn: a
+    demonstration whose reads missed the line would teach the edit without its cause."""
+    for i, sites in plan.grounded.items():
+        seen = shown_lines(trace, i + 1)
+        if any((path, line) not in seen for path, line, _ in sites):
+            return False
+    return True
+
+
 def playable(task: Any) -> bool:
     """Whether a reference session of ``task`` (held-out ones included) can be played:
     it has a solution and its request leads to the code."""
@@ -1105,8 +1138,11 @@ async def record_demos(
         stats.recorded += 1
         sid = res.session_id
         ok = res.resolved and res.status == "completed" and bool(sid)
-        if ok and plan.must_fail:  # a wrong first edit that happened to pass tells a lie
-            ok = _failed_as_planned(store.export(sid) or {}, plan)
+        if ok and (plan.must_fail or plan.grounded):
+            trace = store.export(sid) or {}
+            # a wrong first edit that happened to pass tells a lie; a fix whose line the
+            # session never showed teaches guessing
+            ok = _grounded(trace, plan) and (not plan.must_fail or _failed_as_planned(trace, plan))
         if sid:
             extra: dict[str, Any] = {}
             if plan.untrained:

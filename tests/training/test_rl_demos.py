@@ -364,6 +364,32 @@ def test_a_definition_with_several_hits_is_found_by_what_the_session_shows(tmp_p
     )
 
 
+def test_a_demo_is_accepted_only_if_the_lines_it_fixes_were_shown_first():
+    from opencomposer.training.demos import Plan, _grounded, shown_lines
+
+    def call(turn, name, result, status="ok", **args):
+        return {"turn": turn, "name": name, "args": args, "status": status, "result": result}
+
+    read = "".join(f"{n:>6}\tline {n}\n" for n in range(5, 9))
+    trace = {
+        "tool_calls": [
+            call(1, "grep", "shop/cart.py:2:    def subtotal(self):\nshop/util.py:9:x"),
+            call(2, "read_file", read, path="./shop/cart.py"),
+            call(2, "read_file", "file not found", status="error", path="shop/other.py"),
+            call(3, "edit_file", "edited", path="shop/cart.py"),
+        ]
+    }
+    assert shown_lines(trace, 2) == {("shop/cart.py", 2), ("shop/util.py", 9)}
+    assert ("shop/cart.py", 6) in shown_lines(trace, 3)
+    fix = (("shop/cart.py", 6, "return 1"),)
+    assert _grounded(trace, Plan(turns=["a", "b", "fix"], grounded={2: fix}))
+    # fixed in the turn that read it: the read came too late to be its cause
+    assert not _grounded(trace, Plan(turns=["a", "fix"], grounded={1: fix}))
+    # a line no read showed
+    far = (("shop/cart.py", 40, "return 1"),)
+    assert not _grounded(trace, Plan(turns=["a", "b", "fix"], grounded={2: far}))
+
+
 # The corpus's reference fixes are whole lines, broken -> fixed.
 CART_LINE = "        return sum(p for p, q in self.items)"
 LINE_FIX = {
