@@ -632,6 +632,11 @@ def locate_call(
     outside = [h[:2] for h in hits[:GREP_SHOWN] if not _is_test_file(h[0])]
     if outside == [site]:
         return _grep_call(plain, scope)
+    if site not in [h[:2] for h in hits]:
+        raise DemoError(
+            f"task {task.id}: a grep for `def {name}` does not find its definition at "
+            f"{site[0]}:{site[1]}"
+        )
     raise DemoError(
         f"task {task.id}: a grep finds {len(hits)} definitions of {name} and nothing the "
         "session shows tells which one is meant"

@@ -351,6 +351,8 @@ def test_a_definition_with_several_hits_is_found_by_what_the_session_shows(tmp_p
     # a session that never showed the owner cannot tell the hits apart: not demonstrated
     with pytest.raises(DemoError, match="2 definitions of subtotal"):
         locate_call(task, "Cart.subtotal", "shop/cart.py", 11, seen="the cart is wrong")
+    with pytest.raises(DemoError, match="does not find its definition at shop/cart.py:10"):
+        locate_call(task, "Cart.total", "shop/cart.py", 11, seen=issue)
     # one hit of the name: the plain grep, scoped to a named file where there is one
     one = _corpus_task(tmp_path, issue)
     assert locate_call(one, "Cart.subtotal", "shop/cart.py", 6, scope="shop/cart.py") == (
