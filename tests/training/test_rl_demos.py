@@ -316,19 +316,7 @@ def test_a_method_is_found_by_its_own_def_and_read_from_the_hit(tmp_path):
     assert function_lines(task, "shop/cart.py", 70) == (1, 75)  # stretched to show the line
 
 
-TWO_CARTS = (
-    "class Order:\n"
-    "    def subtotal(self):\n"
-    "        return 0\n"
-    "\n"
-    "\n"
-    "class Cart:\n"
-    "    def __init__(self):\n"
-    "        self.items = []\n"
-    "\n"
-    "    def subtotal(self):\n"
-    "        return sum(p for p, q in self.items)\n"
-)
+TWO_CARTS = "class Order:\n    def subtotal(self):\n        return 0\n\n\n" + CART
 TWO_FIX = {**CART_FIX, "line": 11}
 TWO_SOLUTION = {**SOLUTION, "edits": [TWO_FIX]}
 
