@@ -134,11 +134,10 @@ def lines_read(traces: Path, tasks: dict[str, Any]) -> int:
     """Episodes (the newest of each task in `traces`) whose `read_file` results showed
     every broken line, by the reference solution's lines, read for the report only: how
     often the policy found the code it had to fix."""
-    import re
     import sqlite3
 
     from opencomposer.tools.specs import READ_FILE
-    from opencomposer.training.demos import load_solution
+    from opencomposer.training.demos import load_solution, shown_lines
 
     if not traces.is_file():
         return 0
@@ -153,16 +152,21 @@ def lines_read(traces: Path, tasks: dict[str, Any]) -> int:
         for task_id, (_, sid) in newest.items():
             solution = load_solution(tasks[task_id], reference=True) or {}
             sites = {(str(e["path"]), int(e.get("line", 1))) for e in solution.get("edits", [])}
-            seen: set[tuple[str, int]] = set()
             rows = db.execute(
-                "SELECT args, result FROM tool_calls WHERE session_id = ? AND name = ? "
-                "AND status = 'ok'",
+                "SELECT args, status, result FROM tool_calls WHERE session_id = ? AND name = ?",
                 (sid, READ_FILE),
             )
-            for args, result in rows:
-                path = str(json.loads(args or "{}").get("path", "")).removeprefix("./")
-                seen |= {(path, int(n)) for n in re.findall(r"^\s*(\d+)\t", result or "", re.M)}
-            found += bool(sites) and sites <= seen
+            reads = [
+                {
+                    "turn": 0,
+                    "name": READ_FILE,
+                    "args": json.loads(a or "{}"),
+                    "status": st,
+                    "result": r,
+                }
+                for a, st, r in rows
+            ]
+            found += bool(sites) and sites <= shown_lines({"tool_calls": reads}, 1)
         return found
     finally:
         db.close()

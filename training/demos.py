@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import difflib
+import functools
 import hashlib
 import json
 import random
@@ -552,18 +553,26 @@ GREP_SHOWN = 200
 def _py_files(task: Any, scope: str = "") -> dict[str, str]:
     """The task's workspace ``.py`` files under ``scope`` (a file or a folder; "" for
     all), path -> text, in path order: what a ``grep`` over them reads."""
-    out: dict[str, str] = {}
     try:
-        with tarfile.open(task.repo_tar) as tar:
-            for m in tar.getmembers():
-                name = m.name.removeprefix("./")
-                under = not scope or name == scope or name.startswith(scope.rstrip("/") + "/")
-                if m.isfile() and name.endswith(".py") and under:
-                    member = tar.extractfile(m)
-                    if member is not None:
-                        out[name] = member.read().decode("utf-8", "replace")
+        st = Path(task.repo_tar).stat()
+        every = _tar_py_files(str(task.repo_tar), st.st_mtime_ns, st.st_size)
     except (OSError, tarfile.TarError):
         return {}
+    top = scope.rstrip("/") + "/"
+    return {k: v for k, v in every.items() if not scope or k == scope or k.startswith(top)}
+
+
+@functools.lru_cache(maxsize=8)
+def _tar_py_files(tar_path: str, mtime_ns: int, size: int) -> dict[str, str]:
+    """Every ``.py`` file of a workspace tar, path -> text, in path order; read once per
+    version of the tar (one plan greps its files several times)."""
+    out: dict[str, str] = {}
+    with tarfile.open(tar_path) as tar:
+        for m in tar.getmembers():
+            name = m.name.removeprefix("./")
+            member = tar.extractfile(m) if m.isfile() and name.endswith(".py") else None
+            if member is not None:
+                out[name] = member.read().decode("utf-8", "replace")
     return dict(sorted(out.items()))
 
 
