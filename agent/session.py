@@ -84,6 +84,9 @@ class SessionConfig:
     # a client's own setting, not the policy's: under `safe`, file changes run without
     # a question because the client shows each as an edit to accept, reject or undo
     auto_apply_edits: bool = False
+    # an answer given while the model's own last command after its last change failed
+    # is sent back once per request, with that command's exit code (`unchecked_answer`)
+    recheck: bool = True
 
 
 @dataclass(kw_only=True)
@@ -195,6 +198,37 @@ def _same(a: list[tuple[str, str, str]] | None, b: list[tuple[str, str, str]] | 
     )
 
 
+def unchecked_answer(turns: list[TurnRecord]) -> str:
+    """Why an answer after `turns` is not done yet, or "": a change applied in them, and
+    the last command `run_terminal` ran after the last change exited non-zero (or was
+    killed). Only the model's own command counts: it chose what shows the change works.
+    A request without a change, or whose change was never run afterwards, gets "":
+    nothing it ran says the answer is wrong."""
+    changed, failed = False, None
+    for c in (c for t in turns for c in t.calls):
+        spec, result = specs.BY_NAME.get(c.name), c.result
+        if result is None:
+            continue
+        if spec is not None and spec.kind == "edit" and result.status == "ok":
+            changed, failed = True, None
+        elif c.name == specs.RUN_TERMINAL and changed:
+            meta = result.meta or {}
+            code, killed = meta.get("exit_code"), meta.get("killed_reason")
+            if code is None and not killed:
+                continue  # refused or never started: it says nothing about the change
+            failed = (str(c.args.get("command", "")), code, killed) if code or killed else None
+    if failed is None:
+        return ""
+    command, code, killed = failed
+    command = " ".join(command.split())
+    command = command if len(command) <= 200 else command[:199] + "…"
+    how = f"was killed ({killed})" if killed else f"exited with code {code}"
+    return (
+        f"After your last change, `{command}` {how}, so the task is not done "
+        "yet. Keep working on it; if it cannot pass, answer and say why."
+    )
+
+
 def _first_error(calls: list[tuple[str, str, str]]) -> str:
     name, _, output = calls[0]
     lines = output.strip().splitlines() or [""]
@@ -287,6 +321,7 @@ class Session:
         self._task: asyncio.Task[Any] | None = None
         self._cancel_reason: str | None = None
         self._running = False
+        self._rechecked = False  # this request's answer was sent back once (`_recheck`)
 
     # -- public -----------------------------------------------------------------
 
@@ -323,6 +358,7 @@ class Session:
         self.requests += 1
         self._request_t = self.clock.now()
         self.turns, self.edits, self.completion_tokens = [], [], 0
+        self._rechecked = False
         if not self.messages:
             self.messages = [Message(role="system", content=system_prompt(style=self.prompt_style))]
         self.messages.append(Message(role="user", content=user_message(query, context)))
@@ -382,7 +418,11 @@ class Session:
                 )
             if not record.calls:
                 self.messages.append(Message(role="assistant", content=record.output.text))
-                return record.output.text.strip()
+                why = self._recheck()
+                if not why:
+                    return record.output.text.strip()
+                self.messages.append(Message(role="user", content=why))
+                continue
             self.messages.append(Message(role="assistant", content=record.output.text))
             self.messages.append(
                 Message(role="user", content=format_results(record.calls), kind="tool_results")
@@ -396,6 +436,15 @@ class Session:
                     f"completion token budget of {self.config.max_completion_tokens} spent",
                 )
         raise _End("max_turns", f"no answer within {self.max_turns} turns")
+
+    def _recheck(self) -> str:
+        """The note that sends an answer back (`unchecked_answer`), or "" to accept it:
+        once a request, while it has a turn left."""
+        if not self.config.recheck or self._rechecked or len(self.turns) >= self.max_turns:
+            return ""
+        why = unchecked_answer(self.turns)
+        self._rechecked = bool(why)
+        return why
 
     async def _turn(self, turn: int) -> TurnRecord:
         sampling = self._fit_context()

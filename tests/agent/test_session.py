@@ -217,3 +217,60 @@ async def test_a_megabyte_reply_without_calls_is_the_answer(repo):
     text = "".join(f"line {i}\n" for i in range(120_000))[:1_000_000]
     result, _ = await run(scripted(text), repo)
     assert result.status == "completed" and len(result.answer) == 1_000_000
+
+
+CHECK = "<run_terminal><command>python -c 'import calc; assert calc.add(2, 2) == 4'</command></run_terminal>"
+WRONG = """<edit_file path="calc.py">
+<old>    return a - b</old>
+<new>    return a * b - b</new>
+</edit_file>"""
+RIGHT = """<edit_file path="calc.py">
+<old>    return a * b - b</old>
+<new>    return a + b</new>
+</edit_file>"""
+
+
+async def test_an_answer_after_its_own_check_failed_is_sent_back_once(repo, store):
+    # a wrong change, the model's own check fails, it answers anyway: the answer goes
+    # back with the check's exit code, and the model fixes it in the turns it has left
+    model = scripted(WRONG, CHECK, "Fixed, the test passes.", RIGHT, CHECK, "Fixed: add adds.")
+    result, events = await run(model, repo, store)
+    assert result.status == "completed" and result.answer == "Fixed: add adds."
+    assert (repo / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
+    note = result.turns[3].messages[-1]
+    assert note.role == "user" and result.turns[3].messages[-2].content.startswith("Fixed, the")
+    assert "`python -c 'import calc; assert calc.add(2, 2) == 4'` exited with code 1" in (
+        note.content
+    )
+    # the trace keeps the note where the model read it, and a follow-up continues it
+    trace = store.export(result.session_id)
+    assert "exited with code 1" in trace["turns"][3]["messages"][-1]["content"]
+
+    # sent back once a request: a second answer over a failing check ends the request
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    model = scripted(WRONG, CHECK, "Done.", "Still done.", "never asked")
+    result, _ = await run(model, repo)
+    assert result.status == "completed" and result.answer == "Still done."
+    assert len(result.turns) == 4
+
+
+async def test_answers_a_check_does_not_contradict_end_the_request(repo):
+    # no change; a change never run afterwards; a check that passed after the change;
+    # a failing command before the change; no turn left; the setting off
+    cases = [
+        (CHECK, "It fails because add subtracts."),
+        (RIGHT.replace("a * b - b", "a - b"), "Fixed."),
+        (CHECK, RIGHT.replace("a * b - b", "a - b"), CHECK, "Fixed."),
+    ]
+    for turns in cases:
+        (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+        result, _ = await run(scripted(*turns, "never asked"), repo)
+        assert result.status == "completed" and result.answer == turns[-1], turns
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    cfg = SessionConfig(approve="all", max_turns=3)
+    result, _ = await run(scripted(WRONG, CHECK, "Done.", "never asked"), repo, config=cfg)
+    assert result.status == "completed" and result.answer == "Done."
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    cfg = SessionConfig(approve="all", recheck=False)
+    result, _ = await run(scripted(WRONG, CHECK, "Done.", "never asked"), repo, config=cfg)
+    assert result.answer == "Done."
