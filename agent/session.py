@@ -34,13 +34,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from opencomposer.agent import alternatives
 from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
 from opencomposer.agent.protocols import Message, Model, ModelError, Sampling, TurnOutput
 from opencomposer.agent.text import valid_text
 from opencomposer.agent.traces import TraceStore
-from opencomposer.agent.xmlcalls import StreamParser, without_calls
+from opencomposer.agent.xmlcalls import ParsedCall, StreamParser, parse_all, without_calls
 from opencomposer.tools import specs
 from opencomposer.tools.output import cap
 from opencomposer.tools.protocols import (
@@ -87,6 +88,11 @@ class SessionConfig:
     # an answer given while the model's own last command after its last change failed
     # is sent back once per request, with that command's exit code (`unchecked_answer`)
     recheck: bool = True
+    # replies sampled for a turn that changes files, the likeliest change kept
+    # (`agent/alternatives.py`); None: the model's own `fix_samples`, else 1 (off). Only
+    # a backend with `alternatives` and `logprob` (vLLM) can; others keep the one reply
+    fix_samples: int | None = None
+    fix_temperature: float = 0.8  # of the extra replies: they must differ to help
 
 
 @dataclass(kw_only=True)
@@ -460,16 +466,30 @@ class Session:
         )
         prompt = list(self.messages)
         stream = self.model.stream(prompt, sampling)
+        # with `fix_samples`, a change and every call after it wait for the reply's end
+        hold = self._fix_samples() > 1
+        held: list[ParsedCall] = []
+
+        def route(calls: list[ParsedCall]) -> None:
+            for call in calls:
+                if held or (hold and alternatives.changes(call)):
+                    held.append(call)
+                else:
+                    executor.submit(call)
+
         try:
             async for delta in stream:
                 parsed = parser.feed(delta)
                 if self.config.emit_deltas and delta:
                     self.emit(ev.ModelDelta, turn=turn, text=delta, prose=parser.prose())
-                for call in parsed:
-                    executor.submit(call)
-            for call in parser.close():
-                executor.submit(call)
+                route(parsed)
+            route(parser.close())
             output = stream.output or TurnOutput(text=parser.text)
+            all_calls = parser.calls
+            if held:
+                output, all_calls, held = await self._pick_change(output, all_calls, held)
+            for call in held:
+                executor.submit(call)
             self.completion_tokens += output.completion_tokens
             self.emit(
                 ev.ModelEnd,
@@ -480,7 +500,7 @@ class Session:
                 output=output,
                 t_start=t_start,
             )
-            prose = without_calls(parser.text, parser.calls)
+            prose = without_calls(output.text, all_calls)
             self.emit(ev.Message, turn=turn, text=output.text, prose=prose)
             calls = await executor.wait()
         except BaseException:
@@ -497,6 +517,57 @@ class Session:
         )
         self.turns.append(record)
         return record
+
+    def _fix_samples(self) -> int:
+        n = self.config.fix_samples
+        n = getattr(self.model, "fix_samples", 1) if n is None else n
+        able = hasattr(self.model, "alternatives") and hasattr(self.model, "logprob")
+        return n if able and isinstance(n, int) else 1
+
+    async def _pick_change(
+        self, output: TurnOutput, calls: list[ParsedCall], held: list[ParsedCall]
+    ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]]:
+        """The reply to keep among `output` and `fix_samples - 1` more that share its
+        text up to the end of the last call before its first change, the calls that have
+        run (`agent/alternatives.py`): each writes what it says about the change anew,
+        so the candidates differ in more than the edit. Returns (the kept reply's output,
+        all its calls, its calls from the first change on, which have not run yet)."""
+        first = held[0]
+        ran = [c for c in calls if c.index < first.index]
+        cut = max((c.end for c in ran), default=0)
+        try:
+            more = await self.model.alternatives(  # type: ignore[attr-defined]
+                output,
+                cut,
+                self._fix_samples() - 1,
+                Sampling(
+                    temperature=self.config.fix_temperature,
+                    top_p=self.config.sampling.top_p,
+                    max_tokens=self.config.sampling.max_tokens,
+                    stop=self.config.sampling.stop,
+                ),
+            )
+        except ModelError as e:
+            log.warning("session %s: no alternatives to rank: %s", self.id, e)
+            return output, calls, held
+        replies = [(output, calls, held)]
+        for alt in more:
+            alt_calls = parse_all(alt.text, *specs.parser_rules())
+            before = [(c.name, c.raw) for c in alt_calls if c.index < first.index]
+            if before != [(c.name, c.raw) for c in ran]:
+                continue  # it did not make the calls that ran as they ran
+            replies.append((alt, alt_calls, [c for c in alt_calls if c.index >= first.index]))
+        ranked = await alternatives.rank(
+            self.workspace,
+            [r[2] for r in replies],
+            self.model.logprob,  # type: ignore[attr-defined]
+        )
+        chosen = replies[ranked.index]
+        chosen[0].meta["fix_samples"] = {
+            "chosen": ranked.index,
+            "gains": [round(g, 3) if g > float("-inf") else None for g in ranked.gains],
+        }
+        return chosen
 
     # -- tools ------------------------------------------------------------------
 

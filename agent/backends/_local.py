@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opencomposer.agent.protocols import Message, ModelError, PromptTooLong
+from opencomposer.agent.protocols import Message, ModelError, PromptTooLong, TurnOutput
 
 DEFAULT_CONTEXT_WINDOW = 8192
 
@@ -76,6 +77,14 @@ def read_prompt_style(path: str | Path) -> str:
     return style if style in ("full", "compact") else "full"
 
 
+def read_fix_samples(path: str | Path) -> int:
+    """The replies a model folder's policy samples for a turn that changes files
+    (`fix_samples`, see `agent/alternatives.py`); 1 (one reply, as sampled) when it
+    says nothing usable."""
+    n = read_model_settings(path).get("fix_samples")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def read_turn_budget(path: str | Path) -> int | None:
     """The turns a model folder's policy was trained to finish in (`max_turns`), which a
     session that sets none uses; None when the folder says nothing usable."""
@@ -127,3 +136,33 @@ def check_fits(prompt_len: int, window: int) -> None:
         raise PromptTooLong(
             f"the prompt is {prompt_len} tokens, over the model's context window of {window}"
         )
+
+
+def kept_tokens(decode: Callable[[list[int]], str], ids: list[int], head: str) -> int:
+    """The most leading tokens of `ids` whose text is a prefix of `head` (a reply's text
+    cut at a character): where an alternative to that reply starts sampling."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if head.startswith(decode(ids[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def joined(turn: TurnOutput, kept: int, text: str, more: TurnOutput) -> TurnOutput:
+    """`turn`'s first `kept` tokens (their text `text`), then the continuation `more`,
+    as one turn: its ids and raw logprobs those of both parts."""
+    ids = turn.completion_token_ids or []
+    logprobs = (turn.completion_logprobs or [float("nan")] * len(ids))[:kept]
+    return TurnOutput(
+        text=text + more.text,
+        finish_reason=more.finish_reason,
+        prompt_tokens=turn.prompt_tokens,
+        completion_tokens=kept + more.completion_tokens,
+        prompt_token_ids=turn.prompt_token_ids,
+        completion_token_ids=ids[:kept] + (more.completion_token_ids or []),
+        completion_logprobs=logprobs + (more.completion_logprobs or []),
+        weight_version=turn.weight_version,
+    )

@@ -42,14 +42,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from opencomposer.agent.alternatives import CONTEXT_TOKENS
 from opencomposer.agent.backends._local import (
     ChatTokenizer,
     check_fits,
+    joined,
+    kept_tokens,
     passive_omp_wait,
     read_context_window,
+    read_fix_samples,
     read_prompt_style,
     read_turn_budget,
 )
@@ -85,6 +90,9 @@ class LlamaCppModel:
         self.name = name or f"llamacpp:{path}"
         self.prompt_style = prompt_style or read_prompt_style(path)
         self.max_turns = read_turn_budget(path)  # a session without its own budget uses it
+        # replies for a turn that changes files, the likeliest change kept (a session's
+        # `fix_samples` unset uses it; `agent/alternatives.py`)
+        self.fix_samples = read_fix_samples(path)
         self.context_window = context_window or read_context_window(path)
         self.qtype = qtype
         self.threads = threads or len(os.sched_getaffinity(0))
@@ -135,6 +143,53 @@ class LlamaCppModel:
                 await self._run(engine, prompt, sampling, out, emit)
 
         return TaskStream(produce)
+
+    async def alternatives(
+        self, turn: TurnOutput, keep: int, n: int, sampling: Sampling
+    ) -> list[TurnOutput]:
+        """`n` more replies to `turn`'s prompt that start as `turn` does, with its text up
+        to `keep` characters (cut back to a token boundary), and go on independently,
+        one after another (the engine runs one stream): the cached prompt is reused."""
+        prompt, ids = turn.prompt_token_ids, turn.completion_token_ids
+        if prompt is None or ids is None or n <= 0:
+            return []
+        decode = self.tokenizer.hf.decode
+        kept = kept_tokens(decode, ids, turn.text[:keep])
+        text, outs = decode(ids[:kept]), []
+        for i in range(n):
+            more, pieces = TurnOutput(text=""), list[str]()
+            seed = None if sampling.seed is None else sampling.seed + 1 + i
+            async with self._lock:
+                engine = self._engine
+                if engine is None:
+                    raise ModelError("the llama.cpp engine was closed")
+                await self._run(
+                    engine,
+                    [*prompt, *ids[:kept]],
+                    replace(sampling, seed=seed),
+                    more,
+                    pieces.append,
+                )
+            more.text = "".join(pieces)
+            outs.append(joined(turn, kept, text, more))
+        return outs
+
+    async def logprob(
+        self, context: str, text: str, *, context_tokens: int = CONTEXT_TOKENS
+    ) -> float:
+        """log P(`text` | the last `context_tokens` tokens of `context`), both plain text
+        (no chat template): how likely the model finds a piece of code where it stands."""
+        await self.start()
+        tok = self.tokenizer.hf
+        before = tok.encode(context, add_special_tokens=False)[-context_tokens:] if context else []
+        body = tok.encode(text, add_special_tokens=False)
+        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        check_fits(len(ids), self.context_window)
+        async with self._lock:
+            engine = self._engine
+            if engine is None:
+                raise ModelError("the llama.cpp engine was closed")
+            return await asyncio.to_thread(engine.score, ids, len(ids) - len(body))
 
     async def _run(
         self, engine: _Engine, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit
@@ -266,6 +321,34 @@ class _Engine:
         except BaseException:
             self.reset()  # what the cache holds is no longer known
             raise
+
+    def score(self, ids: list[int], first: int) -> float:
+        """The sum of the log-probabilities of `ids[first:]`, each after the ids before
+        it; the cache keeps what it shares with `ids`. Only the scored positions ask
+        for logits over the vocabulary."""
+        import numpy as np
+
+        def logprob(rows: Any, targets: list[int]) -> float:
+            picked = np.asarray(rows, dtype=np.float64)
+            top = picked.max(axis=1, keepdims=True)
+            lse = top[:, 0] + np.log(np.exp(picked - top).sum(axis=1))
+            return float((picked[np.arange(len(targets)), targets] - lse).sum())
+
+        if not 0 < first < len(ids):
+            return 0.0
+        try:
+            common = min(_common_prefix(self.cached, ids), first - 1)
+            self._truncate(common)
+            # the context up to the first scored token: the last row predicts it
+            total = logprob(self._decode(ids[common:first], all_logits=False), [ids[first]])
+            for i in range(first, len(ids) - 1, 512):  # then each token of the rest
+                chunk = ids[i : min(i + 512, len(ids) - 1)]
+                rows = self._decode(chunk, all_logits=True)
+                total += logprob(rows, ids[i + 1 : i + 1 + len(chunk)])
+        except BaseException:
+            self.reset()  # what the cache holds is no longer known
+            raise
+        return total
 
     def reset(self) -> None:
         """Forget the cached prefix (the next turn evaluates its whole prompt)."""

@@ -53,12 +53,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from opencomposer.agent.alternatives import CONTEXT_TOKENS
 from opencomposer.agent.backends._local import (
     DEFAULT_WAIT,
     ChatTokenizer,
     check_fits,
+    joined,
+    kept_tokens,
     own_omp_wait_policy,
     read_context_window,
+    read_fix_samples,
     read_prompt_style,
     read_turn_budget,
 )
@@ -126,6 +130,9 @@ class VLLMModel:
         self.path = str(path)
         self.prompt_style = prompt_style or read_prompt_style(path)
         self.max_turns = read_turn_budget(path)  # a session without its own budget uses it
+        # replies for a turn that changes files, the likeliest change kept (a session's
+        # `fix_samples` unset uses it; `agent/alternatives.py`)
+        self.fix_samples = read_fix_samples(path)
         self.name = name or f"vllm:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype
@@ -287,6 +294,86 @@ class VLLMModel:
                     out.finish_reason = completion.finish_reason
                     if completion.stop_reason is not None:
                         out.meta["stop_reason"] = completion.stop_reason
+
+    # -- alternatives and scores (the session's `fix_samples`) ---------------
+
+    async def alternatives(
+        self, turn: TurnOutput, keep: int, n: int, sampling: Sampling
+    ) -> list[TurnOutput]:
+        """`n` more replies to `turn`'s prompt that start as `turn` does, with its text up
+        to `keep` characters (cut back to a token boundary), and go on independently:
+        whole turns, their token ids and raw logprobs those of `turn` up to the cut."""
+        prompt, ids = turn.prompt_token_ids, turn.completion_token_ids
+        if prompt is None or ids is None or n <= 0:
+            return []
+        decode = self.tokenizer.hf.decode
+        kept = kept_tokens(decode, ids, turn.text[:keep])
+        more = await self.continuations([*prompt, *ids[:kept]], n, sampling)
+        return [joined(turn, kept, decode(ids[:kept]), m) for m in more]
+
+    async def continuations(self, ids: list[int], n: int, sampling: Sampling) -> list[TurnOutput]:
+        """`n` independent continuations of the token ids `ids` (a prompt and a reply so
+        far); each output holds the continuation alone (its text, ids, raw logprobs)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        await self.start()
+        check_fits(len(ids), self.context_window)
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=min(sampling.max_tokens, self.context_window - len(ids)),
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=self._stop_ids,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final: Any = None
+        async for result in self._engine.generate(
+            {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
+        ):
+            final = result
+        outs = []
+        for c in final.outputs if final is not None else []:
+            got = list(c.token_ids)
+            outs.append(
+                TurnOutput(
+                    text=c.text,
+                    finish_reason=c.finish_reason or "stop",
+                    completion_tokens=len(got),
+                    completion_token_ids=got,
+                    completion_logprobs=_sampled_logprobs(got, c.logprobs),
+                    weight_version=self.weight_version,
+                )
+            )
+        return outs
+
+    async def logprob(
+        self, context: str, text: str, *, context_tokens: int = CONTEXT_TOKENS
+    ) -> float:
+        """log P(`text` | the last `context_tokens` tokens of `context`), both plain text
+        (no chat template): how likely the model finds a piece of code where it stands."""
+        from vllm import SamplingParams
+
+        await self.start()
+        tok = self.tokenizer.hf
+        before = tok.encode(context, add_special_tokens=False)[-context_tokens:] if context else []
+        body = tok.encode(text, add_special_tokens=False)
+        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        check_fits(len(ids) + 1, self.context_window)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        final: Any = None
+        async for result in self._engine.generate(
+            {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
+        ):
+            final = result
+        scored = (final.prompt_logprobs or []) if final is not None else []
+        first = len(ids) - len(body)
+        return float(
+            sum(scored[i][ids[i]].logprob for i in range(first, len(ids)) if scored[i] is not None)
+        )
 
     # -- weight sync ---------------------------------------------------------
 

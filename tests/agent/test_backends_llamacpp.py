@@ -17,6 +17,7 @@ import math
 import pytest
 from opencomposer.agent.backends import make_model, parse_spec
 from opencomposer.agent.backends._gguf import _permute, gguf_name, llama_shape
+from opencomposer.agent.backends._local import kept_tokens
 from opencomposer.agent.backends.llamacpp import LlamaCppModel, _Drafts, _Sampler, _Text
 from opencomposer.agent.protocols import Message, Sampling
 
@@ -97,6 +98,42 @@ def test_tokens_and_logprobs_are_the_models_exactly(tiny, cache) -> None:
         assert text == out.text
         expected = reference_logprobs(reference, out.prompt_token_ids, ids)
         assert out.completion_logprobs == pytest.approx(expected, abs=1e-3)
+
+    asyncio.run(main())
+
+
+def test_alternatives_share_the_head_and_logprob_is_the_models(tiny, cache) -> None:
+    # alternatives to a turn keep its text up to a cut (at a token boundary) and go on;
+    # their ids and logprobs are the model's; `logprob` sums the model's log-probability
+    # of a text after a context, as a transformers forward pass gives it
+    folder, reference = tiny
+
+    async def main() -> None:
+        model = LlamaCppModel(folder, qtype="f32", draft=0, threads=1)
+        try:
+            out = await turn(model, COPY[:1], Sampling(temperature=0.8, max_tokens=24, seed=1))
+            more = await model.alternatives(out, 12, 2, Sampling(temperature=1.0, max_tokens=16))
+            tok = model.tokenizer.hf
+            context, text = CODE[:300], "def g(x):\n    return x + 1\n"
+            got = await model.logprob(context, text, context_tokens=40)
+            again = await model.logprob(context, text, context_tokens=40)  # from the cache
+        finally:
+            await model.close()
+        assert len(more) == 2
+        kept = kept_tokens(tok.decode, out.completion_token_ids, out.text[:12])
+        head = tok.decode(out.completion_token_ids[:kept])
+        assert kept > 0 and out.text[:12].startswith(head)
+        for alt in more:
+            assert alt.completion_token_ids[:kept] == out.completion_token_ids[:kept]
+            assert alt.text.startswith(head) and alt.completion_tokens > kept
+            assert len(alt.completion_token_ids) == len(alt.completion_logprobs)
+            assert alt.prompt_token_ids == out.prompt_token_ids
+            expected = reference_logprobs(reference, out.prompt_token_ids, alt.completion_token_ids)
+            assert alt.completion_logprobs == pytest.approx(expected, abs=1e-3)
+        before = tok.encode(context, add_special_tokens=False)[-40:]
+        body = tok.encode(text, add_special_tokens=False)
+        assert got == pytest.approx(sum(reference_logprobs(reference, before, body)), abs=1e-2)
+        assert again == pytest.approx(got, abs=1e-6)
 
     asyncio.run(main())
 

@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 from opencomposer.agent.backends import make_model
+from opencomposer.agent.backends._local import kept_tokens
 from opencomposer.agent.backends.vllm import VLLMModel
 from opencomposer.agent.protocols import Message, Sampling
 
@@ -55,6 +56,18 @@ async def test_vllm_engine_end_to_end(capfd: pytest.CaptureFixture[str]) -> None
         assert tok.decode(ids, skip_special_tokens=True) == out.text
         reference = reference_logprobs(model.path, out.prompt_token_ids, ids)
         assert out.completion_logprobs == pytest.approx(reference, abs=0.2)
+
+        # Alternatives keep the turn's head and go on; `logprob` is the model's.
+        more = await model.alternatives(out, 4, 3, Sampling(temperature=1.0, max_tokens=16))
+        kept = kept_tokens(tok.decode, ids, out.text[:4])
+        assert len(more) == 3 and all(m.completion_token_ids[:kept] == ids[:kept] for m in more)
+        assert all(len(m.completion_token_ids) == len(m.completion_logprobs) for m in more)
+        context, text = "The capital of France is", " Paris."
+        body = tok.encode(text, add_special_tokens=False)
+        got = await model.logprob(context, text)
+        prompt = tok.encode(context, add_special_tokens=False)
+        assert got == pytest.approx(sum(reference_logprobs(model.path, prompt, body)), abs=0.3)
+        assert got > await model.logprob(context, " Berlin.")
 
         # Eight sessions at once on the one engine.
         prompts = [[Message(role="user", content=f"Count from 1 to {n}.")] for n in range(5, 13)]

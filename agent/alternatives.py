@@ -1,0 +1,151 @@
+"""Sample-and-rank for the turns that change files (`SessionConfig.fix_samples`).
+
+A small model often knows which of two versions of a line is right long before it
+can write the right one: scored as plain code, the original line of a bug is likelier
+than the bug in most cases, while a sampled fix is right in a few percent of replies.
+So when a reply changes files, the session asks the model for more replies that keep
+everything before the first change and continue from there (`Model.alternatives`),
+applies each candidate's changes to the files in memory (`preview`), and keeps the
+candidate whose changed code the model itself finds likeliest against the code as it
+stands (`code_gain`: log P(after) - log P(before) over the changed lines and the
+lines around them, with the code above as context). Only that candidate's calls run.
+
+Nothing here reads a test or runs anything: the ranking is the model's own judgment
+of code, the same model that wrote the candidates. A candidate whose change cannot
+apply (an `<old>` the file does not hold) or changes nothing ranks last, so the
+first reply is kept when no other does better.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from opencomposer.agent.xmlcalls import ParsedCall
+from opencomposer.tools import specs
+from opencomposer.tools.files import apply_edit
+from opencomposer.tools.protocols import ToolError, Workspace
+
+# Characters of unchanged code kept on each side of a change in the scored window.
+AROUND_CHARS = 400
+# The tokens of code above the window that condition its score.
+CONTEXT_TOKENS = 512
+
+Score = Callable[[str, str], Awaitable[float]]  # (context, text) -> log P(text | context)
+
+
+def changes(call: ParsedCall) -> bool:
+    """Whether `call` is a well-formed call that changes files."""
+    spec = specs.BY_NAME.get(call.name)
+    return call.error is None and spec is not None and spec.kind == "edit"
+
+
+def preview(ws: Workspace, calls: Sequence[ParsedCall]) -> dict[str, tuple[str, str]] | None:
+    """{path: (text now, text after)} for the files `calls` change, applied in order in
+    memory; None when one of them cannot apply (a missing file or `<old>`, a path
+    outside the workspace) or the calls change nothing."""
+    before: dict[str, str] = {}
+    after: dict[str, str] = {}
+    try:
+        for call in calls:
+            if not changes(call):
+                continue
+            path = ws.relative(ws.resolve(call.raw.get("path", "")))
+            if path not in after:
+                text = ws.read_text(path) if ws.exists(path) else ""
+                before[path] = after[path] = text
+            if call.name == specs.EDIT_FILE:
+                old, new = call.raw.get("old", ""), call.raw.get("new", "")
+                if not old or old == new or not ws.exists(path):
+                    return None
+                replace_all = call.raw.get("replace_all", "").strip().lower() == "true"
+                after[path] = apply_edit(after[path], old, new, replace_all)[0]
+            elif call.name == specs.WRITE_FILE:
+                after[path] = call.raw.get("content", "")
+            else:  # a deletion: no code to score
+                return None
+    except (ToolError, OSError, ValueError, UnicodeDecodeError):
+        return None
+    changed = {p: (before[p], after[p]) for p in after if after[p] != before[p]}
+    return changed or None
+
+
+def window(before: str, after: str) -> tuple[int, int]:
+    """(start, tail): the scored window of both texts is `text[start:len(text) - tail]`:
+    the changed span with `AROUND_CHARS` on either side, starting at a line."""
+    lo, most = 0, min(len(before), len(after))
+    while lo < most and before[lo] == after[lo]:
+        lo += 1
+    tail = 0
+    while tail < most - lo and before[-1 - tail] == after[-1 - tail]:
+        tail += 1
+    start = before.rfind("\n", 0, max(0, lo - AROUND_CHARS)) + 1
+    return start, max(0, tail - AROUND_CHARS)
+
+
+class _Scores:
+    """`score` with each (context, text) asked once: candidates that change a file alike,
+    and the file before the change, which every candidate compares against."""
+
+    def __init__(self, score: Score) -> None:
+        self.score = score
+        self.asked: dict[tuple[str, str], asyncio.Task[float]] = {}
+
+    def __call__(self, context: str, text: str) -> Awaitable[float]:
+        key = (context, text)
+        if key not in self.asked:
+            self.asked[key] = asyncio.ensure_future(self.score(context, text))
+        return self.asked[key]
+
+
+async def code_gain(
+    score: Score,
+    changed: dict[str, tuple[str, str]],
+    windows: dict[str, tuple[int, int]] | None = None,
+) -> float:
+    """How much likelier the model finds the files after the change than before, summed
+    over the changed files (log-probabilities of each file's window: `windows[path]`,
+    else `window` of the change)."""
+    total = 0.0
+    for path, (before, after) in changed.items():
+        start, tail = (windows or {}).get(path) or window(before, after)
+        context = before[:start]
+        now, then = await asyncio.gather(
+            score(context, after[start : len(after) - tail]),
+            score(context, before[start : len(before) - tail]),
+        )
+        total += now - then
+    return total
+
+
+@dataclass(frozen=True)
+class Ranked:
+    index: int  # of the chosen candidate
+    gains: tuple[float, ...]  # each candidate's `code_gain`; -inf where it cannot apply
+
+
+async def rank(ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], score: Score) -> Ranked:
+    """The candidate (its calls from the first change on) to keep: the highest gain,
+    the earliest on a tie; the first when none applies. Every candidate that changes a
+    file is scored on one window of it, the union of theirs, so the file as it stands
+    is scored once and candidates that leave it alike share a score."""
+    previews = [preview(ws, calls) for calls in candidates]
+    windows: dict[str, tuple[int, int]] = {}
+    for p in previews:
+        for path, (before, after) in (p or {}).items():
+            start, tail = window(before, after)
+            if path in windows:
+                start, tail = min(start, windows[path][0]), min(tail, windows[path][1])
+            windows[path] = (start, tail)
+    once = _Scores(score)
+    gains = await asyncio.gather(
+        *(code_gain(once, p, windows) if p else _never() for p in previews)
+    )
+    best = max(range(len(gains)), key=lambda i: (gains[i], -i))
+    return Ranked(index=best if math.isfinite(gains[best]) else 0, gains=tuple(gains))
+
+
+async def _never() -> float:
+    return -math.inf

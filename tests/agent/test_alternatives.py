@@ -1,0 +1,154 @@
+"""Sample-and-rank for turns that change files: what a candidate's changes would do
+(`preview`), the scored window, the ranking, and the session keeping only the chosen
+candidate's calls, with a test-double model whose scores are known."""
+
+import math
+
+from opencomposer.agent import alternatives as alt
+from opencomposer.agent.backends.scripted import ScriptedModel
+from opencomposer.agent.protocols import TurnOutput
+from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.agent.xmlcalls import parse_all
+from opencomposer.tools.specs import parser_rules
+from opencomposer.tools.workspace import LocalWorkspace
+
+CODE = "def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n"
+
+
+def calls(text):
+    return parse_all(text, *parser_rules())
+
+
+def edit(old, new, path="calc.py"):
+    return f'<edit_file path="{path}">\n<old>{old}</old>\n<new>{new}</new>\n</edit_file>'
+
+
+def test_preview_applies_a_candidates_changes_in_memory_only(repo):
+    ws = LocalWorkspace(repo)
+    (repo / "calc.py").write_text(CODE)
+    two = edit("    return a - b", "    return a + b") + edit("    return -a", "    return 0 - a")
+    got = alt.preview(ws, calls(two))
+    assert got == {"calc.py": (CODE, CODE.replace("a - b", "a + b").replace("-a\n", "0 - a\n"))}
+    assert (repo / "calc.py").read_text() == CODE  # nothing written
+    # what cannot apply: a missing <old>, an unchanged one, a path outside, a deletion
+    for bad in (
+        edit("    return a * b", "    return a + b"),
+        edit("    return a - b", "    return a - b"),
+        edit("x", "y", path="../outside.py"),
+        '<delete_file path="calc.py"/>',
+        '<read_file path="calc.py"/>',
+    ):
+        assert alt.preview(ws, calls(bad)) is None, bad
+    made = alt.preview(
+        ws, calls('<write_file path="new.py"><content>x = 1\n</content></write_file>')
+    )
+    assert made == {"new.py": ("", "x = 1")}  # as the call gives it, as write_file writes it
+
+
+def test_the_window_holds_the_change_and_the_lines_around_it():
+    before = "".join(f"line {i}\n" for i in range(200))
+    after = before.replace("line 100\n", "line 100!\n")
+    start, tail = alt.window(before, after)
+    at = before.index("line 100") + len("line 100")  # the first character that differs
+    assert before[start - 1] == "\n" and at - start >= alt.AROUND_CHARS
+    assert len(before) - tail - at >= alt.AROUND_CHARS
+    assert before[start : len(before) - tail].count("line 100") == 1
+    assert after[start : len(after) - tail].count("line 100!") == 1
+    assert alt.window("abc", "abd") == (0, 0)
+
+
+async def test_rank_keeps_the_change_the_scorer_finds_likeliest(repo):
+    ws = LocalWorkspace(repo)
+    (repo / "calc.py").write_text(CODE)
+
+    asked = []
+
+    async def score(context, text):  # a model that likes "a + b" and dislikes "a * b"
+        asked.append((context, text))
+        return text.count("a + b") * 5.0 - text.count("a * b") * 5.0 - len(text) * 0.01
+
+    cands = [
+        calls(edit("    return a - b", "    return a * b")),
+        calls(edit("    return a - q", "    return a + b")),  # cannot apply
+        calls(edit("    return a - b", "    return a + b")),
+        calls(edit("    return a - b", "    return a + b")),  # a tie: the earlier wins
+    ]
+    ranked = await alt.rank(ws, cands, score)
+    assert ranked.index == 2 and ranked.gains[1] == -math.inf
+    assert ranked.gains[2] == ranked.gains[3] > 0 > ranked.gains[0]
+    # one window for all: the file as it stands, "a * b" and "a + b", each scored once
+    assert len(asked) == len(set(asked)) == 3
+    nothing = await alt.rank(ws, [cands[1], cands[1]], score)
+    assert nothing.index == 0
+
+
+class Ranking(ScriptedModel):
+    """Scripted turns, plus `alternatives` (fixed continuations of the reply's text
+    before its first change) and a `logprob` that likes "a + b"."""
+
+    fix_samples = 3
+
+    def __init__(self, turns, more):
+        super().__init__(turns)
+        self.more, self.asked = more, []
+
+    async def alternatives(self, turn, keep, n, sampling):
+        self.asked.append((turn.text[:keep], n, sampling.temperature))
+        return [TurnOutput(text=turn.text[:keep] + m) for m in self.more[:n]]
+
+    async def logprob(self, context, text):
+        return text.count("a + b") * 5.0 - len(text) * 0.01
+
+
+async def test_a_turn_that_changes_files_keeps_the_likeliest_candidate(repo, store):
+    (repo / "calc.py").write_text(CODE)
+    first = 'Reading, then fixing.\n<read_file path="calc.py"/>\n' + edit(
+        "    return a - b", "    return a * b"
+    )
+    rerun = "\n<run_terminal><command>python -c 'import calc'</command></run_terminal>"
+    model = Ranking(
+        [first + rerun, "Fixed."],
+        more=[
+            "\nThe fix: a + b.\n" + edit("    return a - b", "    return a + b") + rerun,
+            "\n" + edit("nope", "x"),
+        ],
+    )
+    events = []
+    session = Session(
+        model=model,
+        workspace=LocalWorkspace(repo),
+        config=SessionConfig(approve="all"),
+        on_event=lambda e: events.append(e.to_wire()),
+        traces=store,
+    )
+    result = await session.run("fix add")
+    assert result.status == "completed"
+    assert (repo / "calc.py").read_text() == CODE.replace("a - b", "a + b")
+    kept, n, temperature = model.asked[0]  # up to the end of the read that ran
+    assert kept.endswith('<read_file path="calc.py"/>') and n == 2 and temperature == 0.8
+    turn = result.turns[0]
+    assert "a + b" in turn.output.text and "a * b" not in turn.output.text
+    assert turn.output.meta["fix_samples"]["chosen"] == 1
+    # the read ran once, before the ranking; then the chosen edit and its rerun
+    names = [c.name for c in turn.calls]
+    assert names == ["read_file", "edit_file", "run_terminal"]
+    assert [e["type"] for e in events].count("edit") == 1
+    message = next(e for e in events if e["type"] == "message" and e["turn"] == 1)
+    assert "a + b" in message["text"]
+    assert "a + b" in store.export(result.session_id)["turns"][0]["text"]
+
+
+async def test_without_fix_samples_or_a_backend_that_ranks_the_reply_runs_as_sampled(repo):
+    (repo / "calc.py").write_text(CODE)
+    wrong = edit("    return a - b", "    return a * b")
+    for model, cfg in (
+        (
+            Ranking([wrong, "ok"], more=[edit("    return a - b", "    return a + b")]),
+            SessionConfig(approve="all", fix_samples=1),
+        ),
+        (ScriptedModel([wrong, "ok"]), SessionConfig(approve="all", fix_samples=4)),
+    ):
+        (repo / "calc.py").write_text(CODE)
+        session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg)
+        await session.run("fix add")
+        assert "a * b" in (repo / "calc.py").read_text()
