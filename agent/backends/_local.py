@@ -123,6 +123,15 @@ class ChatTokenizer:
         # The template already holds the special tokens; do not add BOS twice.
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
+    def scored_ids(self, context: str, text: str, context_tokens: int) -> tuple[list[int], int]:
+        """The plain-text token ids that score `text` after the last `context_tokens`
+        tokens of `context` (`logprob`), and where `text`'s tokens start among them."""
+        tok = self.hf
+        before = tok.encode(context, add_special_tokens=False)[-context_tokens:] if context else []
+        body = tok.encode(text, add_special_tokens=False)
+        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        return ids, len(ids) - len(body)
+
     def stop_ids(self) -> set[int]:
         tok = self.hf
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()

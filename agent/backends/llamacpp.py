@@ -177,19 +177,16 @@ class LlamaCppModel:
     async def logprob(
         self, context: str, text: str, *, context_tokens: int = CONTEXT_TOKENS
     ) -> float:
-        """log P(`text` | the last `context_tokens` tokens of `context`), both plain text
-        (no chat template): how likely the model finds a piece of code where it stands."""
+        """As `VLLMModel.logprob`, on this engine: the scored tokens ask for logits, the
+        context reuses what the cache holds (`_Engine.score`)."""
         await self.start()
-        tok = self.tokenizer.hf
-        before = tok.encode(context, add_special_tokens=False)[-context_tokens:] if context else []
-        body = tok.encode(text, add_special_tokens=False)
-        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        ids, first = self.tokenizer.scored_ids(context, text, context_tokens)
         check_fits(len(ids), self.context_window)
         async with self._lock:
             engine = self._engine
             if engine is None:
                 raise ModelError("the llama.cpp engine was closed")
-            return await asyncio.to_thread(engine.score, ids, len(ids) - len(body))
+            return await asyncio.to_thread(engine.score, ids, first)
 
     async def _run(
         self, engine: _Engine, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit

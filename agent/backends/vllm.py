@@ -263,25 +263,32 @@ class VLLMModel:
 
         return TaskStream(produce)
 
+    def _params(self, sampling: Sampling, prompt_len: int, kind: Any, n: int = 1) -> Any:
+        """vLLM's sampling parameters for `sampling`: the raw logprob of each sampled
+        token, the reply bounded by what is left of the context window."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=min(sampling.max_tokens, self.context_window - prompt_len),
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=self._stop_ids,
+            logprobs=0,
+            output_kind=kind,
+        )
+
     async def _generate(
         self, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit
     ) -> None:
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         token_ids: list[int] = []
         logprobs: list[float] = []
         out.completion_token_ids, out.completion_logprobs = token_ids, logprobs
-        params = SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=min(sampling.max_tokens, self.context_window - len(prompt)),
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            stop_token_ids=self._stop_ids,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = self._params(sampling, len(prompt), RequestOutputKind.DELTA)
         request_id = f"oc-{uuid.uuid4().hex}"
         async for result in self._engine.generate({"prompt_token_ids": prompt}, params, request_id):
             for completion in result.outputs[:1]:
@@ -314,22 +321,11 @@ class VLLMModel:
     async def continuations(self, ids: list[int], n: int, sampling: Sampling) -> list[TurnOutput]:
         """`n` independent continuations of the token ids `ids` (a prompt and a reply so
         far); each output holds the continuation alone (its text, ids, raw logprobs)."""
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         await self.start()
         check_fits(len(ids), self.context_window)
-        params = SamplingParams(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=min(sampling.max_tokens, self.context_window - len(ids)),
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            stop_token_ids=self._stop_ids,
-            logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = self._params(sampling, len(ids), RequestOutputKind.FINAL_ONLY, n=n)
         final: Any = None
         async for result in self._engine.generate(
             {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
@@ -358,10 +354,7 @@ class VLLMModel:
         from vllm import SamplingParams
 
         await self.start()
-        tok = self.tokenizer.hf
-        before = tok.encode(context, add_special_tokens=False)[-context_tokens:] if context else []
-        body = tok.encode(text, add_special_tokens=False)
-        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        ids, first = self.tokenizer.scored_ids(context, text, context_tokens)
         check_fits(len(ids) + 1, self.context_window)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         final: Any = None
@@ -370,7 +363,6 @@ class VLLMModel:
         ):
             final = result
         scored = (final.prompt_logprobs or []) if final is not None else []
-        first = len(ids) - len(body)
         return float(
             sum(scored[i][ids[i]].logprob for i in range(first, len(ids)) if scored[i] is not None)
         )
