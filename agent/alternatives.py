@@ -4,7 +4,8 @@ A small model often knows which of two versions of a line is right long before i
 can write the right one: scored as plain code, the original line of a bug is likelier
 than the bug in most cases, while a sampled fix is right in a few percent of replies.
 So when a reply changes files, the session asks the model for more replies that keep
-everything before the first change and continue from there (`Model.alternatives`),
+its text up to the end of the calls that already ran and continue from there, each
+saying the change anew (`Model.alternatives`),
 applies each candidate's changes to the files in memory (`preview`), and keeps the
 candidate whose changed code the model itself finds likeliest against the code as it
 stands (`code_gain`: log P(after) - log P(before) over the changed lines and the
@@ -101,16 +102,13 @@ class _Scores:
 
 
 async def code_gain(
-    score: Score,
-    changed: dict[str, tuple[str, str]],
-    windows: dict[str, tuple[int, int]] | None = None,
+    score: Score, changed: dict[str, tuple[str, str]], windows: dict[str, tuple[int, int]]
 ) -> float:
     """How much likelier the model finds the files after the change than before, summed
-    over the changed files (log-probabilities of each file's window: `windows[path]`,
-    else `window` of the change)."""
+    over the changed files (log-probabilities of each file's window, `windows[path]`)."""
     total = 0.0
     for path, (before, after) in changed.items():
-        start, tail = (windows or {}).get(path) or window(before, after)
+        start, tail = windows[path]
         context = before[:start]
         now, then = await asyncio.gather(
             score(context, after[start : len(after) - tail]),

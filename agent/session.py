@@ -90,7 +90,7 @@ class SessionConfig:
     recheck: bool = True
     # replies sampled for a turn that changes files, the likeliest change kept
     # (`agent/alternatives.py`); None: the model's own `fix_samples`, else 1 (off). Only
-    # a backend with `alternatives` and `logprob` (vLLM) can; others keep the one reply
+    # a backend with `alternatives` and `logprob` (vLLM, llama.cpp) can; others keep one reply
     fix_samples: int | None = None
     fix_temperature: float = 0.8  # of the extra replies: they must differ to help
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,26 @@ def check_fits(prompt_len: int, window: int) -> None:
         raise PromptTooLong(
             f"the prompt is {prompt_len} tokens, over the model's context window of {window}"
         )
+
+
+async def alternative_turns(
+    turn: TurnOutput,
+    keep: int,
+    n: int,
+    decode: Callable[[list[int]], str],
+    continuations: Callable[[list[int], int], Awaitable[list[TurnOutput]]],
+) -> list[TurnOutput]:
+    """A backend's `alternatives`: `n` more replies to `turn`'s prompt that start as
+    `turn` does, with its text up to `keep` characters (cut back to a token boundary),
+    and go on as `continuations(ids, n)` samples them: whole turns, their token ids and
+    raw logprobs those of `turn` up to the cut."""
+    prompt, ids = turn.prompt_token_ids, turn.completion_token_ids
+    if prompt is None or ids is None or n <= 0:
+        return []
+    kept = kept_tokens(decode, ids, turn.text[:keep])
+    more = await continuations([*prompt, *ids[:kept]], n)
+    text = decode(ids[:kept])
+    return [joined(turn, kept, text, m) for m in more]
 
 
 def kept_tokens(decode: Callable[[list[int]], str], ids: list[int], head: str) -> int:

@@ -49,9 +49,8 @@ from typing import Any
 from opencomposer.agent.alternatives import CONTEXT_TOKENS
 from opencomposer.agent.backends._local import (
     ChatTokenizer,
+    alternative_turns,
     check_fits,
-    joined,
-    kept_tokens,
     passive_omp_wait,
     read_context_window,
     read_fix_samples,
@@ -147,15 +146,22 @@ class LlamaCppModel:
     async def alternatives(
         self, turn: TurnOutput, keep: int, n: int, sampling: Sampling
     ) -> list[TurnOutput]:
-        """`n` more replies to `turn`'s prompt that start as `turn` does, with its text up
-        to `keep` characters (cut back to a token boundary), and go on independently,
-        one after another (the engine runs one stream): the cached prompt is reused."""
-        prompt, ids = turn.prompt_token_ids, turn.completion_token_ids
-        if prompt is None or ids is None or n <= 0:
-            return []
-        decode = self.tokenizer.hf.decode
-        kept = kept_tokens(decode, ids, turn.text[:keep])
-        text, outs = decode(ids[:kept]), []
+        """`n` more replies that start as `turn` does up to `keep` characters and go on
+        independently (`_local.alternative_turns`), one after another (the engine runs
+        one stream), each reusing the cached prompt."""
+        return await alternative_turns(
+            turn,
+            keep,
+            n,
+            self.tokenizer.hf.decode,
+            lambda ids, k: self._continuations(ids, k, sampling),
+        )
+
+    async def _continuations(self, ids: list[int], n: int, sampling: Sampling) -> list[TurnOutput]:
+        """`n` continuations of the token ids `ids`, sampled in turn; each output holds the
+        continuation alone."""
+        check_fits(len(ids), self.context_window)
+        outs = []
         for i in range(n):
             more, pieces = TurnOutput(text=""), list[str]()
             seed = None if sampling.seed is None else sampling.seed + 1 + i
@@ -163,15 +169,9 @@ class LlamaCppModel:
                 engine = self._engine
                 if engine is None:
                     raise ModelError("the llama.cpp engine was closed")
-                await self._run(
-                    engine,
-                    [*prompt, *ids[:kept]],
-                    replace(sampling, seed=seed),
-                    more,
-                    pieces.append,
-                )
+                await self._run(engine, ids, replace(sampling, seed=seed), more, pieces.append)
             more.text = "".join(pieces)
-            outs.append(joined(turn, kept, text, more))
+            outs.append(more)
         return outs
 
     async def logprob(

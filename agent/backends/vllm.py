@@ -57,9 +57,8 @@ from opencomposer.agent.alternatives import CONTEXT_TOKENS
 from opencomposer.agent.backends._local import (
     DEFAULT_WAIT,
     ChatTokenizer,
+    alternative_turns,
     check_fits,
-    joined,
-    kept_tokens,
     own_omp_wait_policy,
     read_context_window,
     read_fix_samples,
@@ -307,16 +306,15 @@ class VLLMModel:
     async def alternatives(
         self, turn: TurnOutput, keep: int, n: int, sampling: Sampling
     ) -> list[TurnOutput]:
-        """`n` more replies to `turn`'s prompt that start as `turn` does, with its text up
-        to `keep` characters (cut back to a token boundary), and go on independently:
-        whole turns, their token ids and raw logprobs those of `turn` up to the cut."""
-        prompt, ids = turn.prompt_token_ids, turn.completion_token_ids
-        if prompt is None or ids is None or n <= 0:
-            return []
-        decode = self.tokenizer.hf.decode
-        kept = kept_tokens(decode, ids, turn.text[:keep])
-        more = await self.continuations([*prompt, *ids[:kept]], n, sampling)
-        return [joined(turn, kept, decode(ids[:kept]), m) for m in more]
+        """`n` more replies that start as `turn` does up to `keep` characters and go on
+        independently, in one batch (`_local.alternative_turns`)."""
+        return await alternative_turns(
+            turn,
+            keep,
+            n,
+            self.tokenizer.hf.decode,
+            lambda ids, k: self.continuations(ids, k, sampling),
+        )
 
     async def continuations(self, ids: list[int], n: int, sampling: Sampling) -> list[TurnOutput]:
         """`n` independent continuations of the token ids `ids` (a prompt and a reply so
