@@ -461,13 +461,17 @@ class _Sampler:
             return token, float(logits[token]) - lse
         z = np.exp((logits - top) / self.temperature)
         total = float(z.sum())
+        if self.top_p >= 1.0:  # the whole distribution: nothing to sort
+            token = int(self.rng.choice(len(z), p=z / total))
+            return token, float(logits[token]) - lse
         k = 64
         head = np.argpartition(z, -k)[-k:]
         head = head[np.argsort(z[head])[::-1]]
         if float(z[head].sum()) < self.top_p * total:
             head = np.argsort(z)[::-1]
         cum = np.cumsum(z[head]) / total
-        keep = int(np.searchsorted(cum, self.top_p)) + 1  # the token that crosses top_p stays
+        # the token that crosses top_p stays; rounding can leave cum[-1] just under top_p
+        keep = min(len(head), int(np.searchsorted(cum, self.top_p)) + 1)
         probs = z[head[:keep]] / float(z[head[:keep]].sum())
         token = int(head[int(self.rng.choice(keep, p=probs))])
         return token, float(logits[token]) - lse

@@ -242,6 +242,18 @@ def test_sampler_top_p_and_raw_logprobs() -> None:
     assert counts / 2000 == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.04)
 
 
+def test_sampler_top_p_past_the_rounded_mass() -> None:
+    # a vocabulary of 49,152: the float32 running sum ends short of the total, so no
+    # prefix reaches a top_p of 1 (or just under); the sample comes from the whole
+    import numpy as np
+
+    logits = np.random.default_rng(0).normal(0, 2, 49_152).astype(np.float32)
+    for top_p in (1.0, 1.0 - 1e-9):
+        sampler = _Sampler(Sampling(temperature=0.8, top_p=top_p, seed=1))
+        tokens = [sampler.sample(logits)[0] for _ in range(20)]
+        assert all(0 <= t < 49_152 for t in tokens) and len(set(tokens)) > 15
+
+
 def test_drafts_propose_what_followed_the_last_ngram() -> None:
     drafts = _Drafts([1, 2, 3, 4, 5, 6, 9])
     assert drafts.propose([], 3) == []  # (6, 9) and 9 never occurred before
