@@ -209,7 +209,8 @@ def unchecked_answer(turns: list[TurnRecord]) -> str:
     the last command `run_terminal` ran after the last change exited non-zero (or was
     killed). Only the model's own command counts: it chose what shows the change works.
     A request without a change, or whose change was never run afterwards, gets "":
-    nothing it ran says the answer is wrong."""
+    nothing it ran says the answer is wrong. A command that exits non-zero and prints
+    nothing (a `grep` that finds no line) is a search, not a check, and is passed over."""
     changed, failed = False, None
     for c in (c for t in turns for c in t.calls):
         spec, result = specs.BY_NAME.get(c.name), c.result
@@ -222,6 +223,8 @@ def unchecked_answer(turns: list[TurnRecord]) -> str:
             code, killed = meta.get("exit_code"), meta.get("killed_reason")
             if code is None and not killed:
                 continue  # refused or never started: it says nothing about the change
+            if code and not killed and meta.get("silent"):
+                continue  # found nothing: a search, not a check of the change
             failed = (str(c.args.get("command", "")), code, killed) if code or killed else None
     if failed is None:
         return ""

@@ -553,6 +553,7 @@ async def run_terminal(
         "duration_s": round(result.duration_s, 3),
         "timed_out": result.timed_out,
         "killed_reason": result.killed_reason,
+        "silent": not result.output.strip(),
     }
     if result.ok:
         return ToolResult.ok(text, meta=meta)

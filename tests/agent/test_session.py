@@ -246,6 +246,14 @@ async def test_an_answer_after_its_own_check_failed_is_sent_back_once(repo, stor
     trace = store.export(result.session_id)
     assert "exited with code 1" in trace["turns"][3]["messages"][-1]["content"]
 
+    # a search that finds nothing after the failing check leaves it the last word
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    model = scripted(WRONG, CHECK, SEARCH, "Done.", RIGHT, CHECK, "Fixed: add adds.")
+    result, _ = await run(model, repo)
+    assert result.answer == "Fixed: add adds." and "exited with code 1" in (
+        result.turns[4].messages[-1].content
+    )
+
     # sent back once a request: a second answer over a failing check ends the request
     (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     model = scripted(WRONG, CHECK, "Done.", "Still done.", "never asked")
@@ -254,13 +262,19 @@ async def test_an_answer_after_its_own_check_failed_is_sent_back_once(repo, stor
     assert len(result.turns) == 4
 
 
+SEARCH = "<run_terminal><command>grep -n 'def sub' calc.py</command></run_terminal>"
+
+
 async def test_answers_a_check_does_not_contradict_end_the_request(repo):
     # no change; a change never run afterwards; a check that passed after the change;
-    # a failing command before the change; no turn left; the setting off
+    # a failing command before the change; a search that found nothing after the
+    # change (exit 1, no output: not a check); no turn left; the setting off
+    fix = RIGHT.replace("a * b - b", "a - b")
     cases = [
         (CHECK, "It fails because add subtracts."),
-        (RIGHT.replace("a * b - b", "a - b"), "Fixed."),
-        (CHECK, RIGHT.replace("a * b - b", "a - b"), CHECK, "Fixed."),
+        (fix, "Fixed."),
+        (CHECK, fix, CHECK, "Fixed."),
+        (fix, SEARCH, "Fixed."),
     ]
     for turns in cases:
         (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
