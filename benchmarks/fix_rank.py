@@ -48,31 +48,17 @@ def main() -> int:
     from opencomposer.tools.specs import parser_rules
     from opencomposer.tools.workspace import LocalWorkspace
     from opencomposer.training.corpus import apply_edits, default_corpus
+    from opencomposer.training.fixstep import lm_scorer
     from opencomposer.training.sft_offline import model_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    folder = model_dir(a.scorer)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
+    forward = lm_scorer(model_dir(a.scorer))
     memo: dict[tuple[str, str], float] = {}  # a state's texts, scored once for every N
 
     async def score(context: str, text: str) -> float:
         if (context, text) not in memo:
-            memo[context, text] = forward(context, text)
+            memo[context, text] = await forward(context, text)
         return memo[context, text]
-
-    def forward(context: str, text: str) -> float:
-        before = tok.encode(context, add_special_tokens=False)[-alternatives.CONTEXT_TOKENS :]
-        body = tok.encode(text, add_special_tokens=False)
-        ids = [*(before or [tok.bos_token_id or 0]), *body]
-        with torch.inference_mode():
-            logits = lm(torch.tensor([ids])).logits[0, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        first = len(ids) - len(body)
-        pos = torch.arange(first - 1, len(ids) - 1)
-        return float(logp[pos, torch.tensor(ids[first:])].sum())
 
     corpus = Path(os.environ.get("OPENCOMPOSER_CORPUS") or default_corpus()).expanduser()
     rows = {}

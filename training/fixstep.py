@@ -32,17 +32,29 @@ This trains that step alone, as a bandit whose start states come from demonstrat
     python -m opencomposer.training.sft_offline merge runs/fixstep --model smollm2
     python benchmarks/fix_step.py --model rl=vllm:runs/fixstep/checkpoints/step_N
 
+With ``--objective best`` the update learns one reply per state instead of the
+group's advantages (best-of-k distillation, `pick_best`): a reply the tests pass when
+the group has one, else the reply the policy itself ranks first as code (the session's
+own sample-and-rank, `agent/alternatives.py`, with the policy as a `transformers`
+scorer), when it finds the code after that change likelier than before. A 135M policy
+tells a fix from a bug far more often than it writes one, and this turns that
+judgment into a target on every state, not only the few where a reply passes.
+
 Sampled groups are appended to ``OUT/groups.jsonl`` as they are scored, so a stopped
-run resumes where it was; training reads them back.
+run resumes where it was; training reads them back (and ``OUT/picks.jsonl``, the best
+replies chosen so far).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import math
 import random
 import statistics
+import tarfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -303,12 +315,16 @@ def train_groups(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> int:
     """Policy-gradient steps over the groups with a mixed reward (the others have no
-    advantage); returns the number of optimizer steps taken."""
+    advantage), or, for a group with a ``pick`` (`pick_best`), on that reply alone with
+    an advantage of 1; returns the number of optimizer steps taken."""
     import torch
 
     useful = []
     for g in groups:
-        adv = advantages([r.reward for r in g["replies"]])
+        if "pick" in g:  # best-of-k: the picked reply alone, as its own target
+            adv = [float(i == g["pick"]) for i in range(len(g["replies"]))]
+        else:
+            adv = advantages([r.reward for r in g["replies"]])
         if any(adv):
             useful.append((g["replies"], adv))
     if not useful:
@@ -401,6 +417,121 @@ def _group_backward(
         n += st["tokens"]
     total.backward()
     return {"loss": float(total.detach()), "clip_frac": clip / max(n, 1.0), "tokens": n}
+
+
+# -- best-of-k: the policy's own judgment picks the target ---------------------------------
+
+
+def lm_scorer(folder: Path) -> Callable[[str, str], Any]:
+    """`alternatives.Score` over a local model folder as a `transformers` forward pass
+    (fp32, the CPU's threads): log P(text | the last `CONTEXT_TOKENS` of context)."""
+    import torch
+    from opencomposer.agent import alternatives
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    async def score(context: str, text: str) -> float:
+        before = tok.encode(context, add_special_tokens=False)[-alternatives.CONTEXT_TOKENS :]
+        body = tok.encode(text, add_special_tokens=False)
+        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        with torch.inference_mode():
+            logits = lm(torch.tensor([ids])).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        first = len(ids) - len(body)
+        pos = torch.arange(first - 1, len(ids) - 1)
+        return float(logp[pos, torch.tensor(ids[first:])].sum())
+
+    return score
+
+
+async def pick_best(
+    files: Callable[[Sequence[str]], Any], replies: Sequence[Reply], score: Any
+) -> tuple[int, str] | None:
+    """``(index, why)`` of the reply to learn at a state, or None: among replies the
+    tests pass (``why`` "resolved"), the one the ranking prefers; else the ranking's
+    choice (`alternatives.rank`: the candidate whose changed code ``score`` finds
+    likeliest against the code as it stands) when that gain is positive ("ranked").
+    ``files(paths)`` is a context manager giving a `Workspace` that holds the state's
+    files at those paths."""
+    from opencomposer.agent import alternatives
+    from opencomposer.agent.xmlcalls import parse_all
+    from opencomposer.tools.specs import parser_rules
+
+    cands = [parse_all(r.text, *parser_rules()) for r in replies]
+    paths = sorted(
+        {str(c.raw.get("path", "")) for calls in cands for c in calls if c.raw.get("path")}
+    )
+    with files(paths) as ws:
+        ranked = await alternatives.rank(ws, cands, score)
+    gains = ranked.gains
+    passed = [i for i, r in enumerate(replies) if r.why == "resolved"]
+    if passed:
+        return max(passed, key=lambda i: (gains[i], -i)), "resolved"
+    if math.isfinite(gains[ranked.index]) and gains[ranked.index] > 0:
+        return ranked.index, "ranked"
+    return None
+
+
+@contextlib.contextmanager
+def task_files(task: Any, paths: Sequence[str]) -> Any:
+    """A `LocalWorkspace` over a temporary folder holding ``paths`` as the task's
+    (broken) workspace has them; paths it lacks, or that leave the folder, stay absent."""
+    import tempfile
+
+    from opencomposer.tools.workspace import LocalWorkspace
+
+    with tempfile.TemporaryDirectory(prefix="fixstep-") as tmp, tarfile.open(task.repo_tar) as tar:
+        root = Path(tmp).resolve()
+        names = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+        for path in paths:
+            member = names.get(path.removeprefix("./"))
+            dest = (root / path).resolve()
+            if member is None or not dest.is_relative_to(root):
+                continue
+            data = tar.extractfile(member)
+            if data is not None:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data.read())
+        yield LocalWorkspace(root)
+
+
+def pick_groups(
+    groups: Sequence[dict[str, Any]],
+    tasks: dict[str, Any],
+    score: Any,
+    out: Path,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """The groups with a best reply (`pick_best`), each with its ``pick`` and ``why``;
+    the picks are appended to ``out`` as they are made and read back on a rerun."""
+    done: dict[str, dict[str, Any]] = {}
+    if out.is_file():
+        for line in out.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[row["state"]] = row
+    t0 = time.perf_counter()
+    for n, g in enumerate(groups, 1):
+        if g["state"] in done or g["task_id"] not in tasks or not g["replies"]:
+            continue
+        task = tasks[g["task_id"]]
+        got = asyncio.run(pick_best(lambda p, t=task: task_files(t, p), g["replies"], score))
+        row = {"state": g["state"], "pick": got[0] if got else None, "why": got[1] if got else ""}
+        done[g["state"]] = row
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if n % 10 == 0:
+            log(f"{n}/{len(groups)} groups ranked ({time.perf_counter() - t0:.0f} s)")
+    picked = []
+    for g in groups:
+        row = done.get(g["state"])
+        if row and row["pick"] is not None:
+            picked.append({**g, "pick": int(row["pick"]), "why": row["why"]})
+    return picked
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -531,6 +662,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--lora-rank", type=int, default=16)
     tr.add_argument("--lora-alpha", type=float, default=32.0)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument(
+        "--objective",
+        choices=["grpo", "best"],
+        default="grpo",
+        help="grpo: the group's advantages; best: the best reply of each group (pick_best)",
+    )
     tr.add_argument("--sample-only", action="store_true", help="stop once the groups are graded")
     a = ap.parse_args(argv)
 
@@ -561,6 +698,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if a.sample_only:
             return 0
+        if a.objective == "best":
+            from opencomposer.training.sft_offline import model_dir
+
+            groups = pick_groups(
+                groups, task_map(a.suite), lm_scorer(model_dir(a.model)), a.out / "picks.jsonl"
+            )
+            whys = collections.Counter(g["why"] for g in groups)
+            hits = sum(g["replies"][g["pick"]].why == "resolved" for g in groups)
+            print(
+                f"best replies: {len(groups)} states ({whys['resolved']} passing, "
+                f"{whys['ranked']} ranked), {hits} of them resolve their task "
+                f"({time.time() - t0:.0f} s)",
+                flush=True,
+            )
         return _train(a, groups, t0)
     except (FixStepError, OfflineError) as e:
         print(f"error: {e}")
@@ -600,7 +751,11 @@ def _train(a: Any, groups: list[dict[str, Any]], t0: float) -> int:
         on_step=on_step,
     )
     if not steps:
-        raise FixStepError("no group has a mixed reward: nothing to learn from")
+        raise FixStepError(
+            "no group has a best reply: nothing to learn from"
+            if a.objective == "best"
+            else "no group has a mixed reward: nothing to learn from"
+        )
     (a.out / "config.json").write_text(
         json.dumps({"fixstep": vars(a) | {"steps": steps}}, default=str, indent=1) + "\n"
     )

@@ -315,3 +315,110 @@ def test_a_run_with_no_states_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().out.strip().startswith("error: no fix state in")
     assert fixstep.main(["train", "--db", str(tmp_path / "nope.db"), "--out", "o"]) == 2
     assert "no such trace store" in capsys.readouterr().out
+
+
+# -- best-of-k --------------------------------------------------------------------------
+
+
+def _edit(old: str, new: str) -> str:
+    return f'Fixing it.\n<edit_file path="a.py">\n<old>{old}</old>\n<new>{new}</new>\n</edit_file>'
+
+
+def _tar_task(tmp_path, files):
+    import io
+    import tarfile
+    import types
+
+    repo = tmp_path / "repo.tar"
+    with tarfile.open(repo, "w") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return types.SimpleNamespace(repo_tar=repo)
+
+
+def _prefers(word):
+    """A scorer that likes code holding ``word`` and is indifferent to the rest."""
+    asked = []
+
+    async def score(context, text):
+        asked.append(text)
+        return 5.0 * text.count(word) - 0.01 * len(text)
+
+    score.asked = asked
+    return score
+
+
+def test_best_of_k_picks_a_passing_reply_else_the_one_the_ranking_prefers(tmp_path):
+    task = _tar_task(tmp_path, {"a.py": "def f():\n    x = 1\n    return x\n"})
+    replies = [
+        Reply("I am not sure.", [1], [2], [-1.0], why="no edit"),
+        Reply(_edit("x = 1", "x = 2"), [1], [2], [-1.0], why="tests fail"),
+        Reply(_edit("x = 1", "x = 3"), [1], [2], [-1.0], why="tests fail"),
+        Reply(_edit("y = 1", "x = 3"), [1], [2], [-1.0], why="no edit applied"),
+    ]
+
+    def files(paths):
+        return fixstep.task_files(task, paths)
+
+    def run(score, rs=replies):
+        return asyncio.run(fixstep.pick_best(files, rs, score))
+
+    assert run(_prefers("3")) == (2, "ranked")
+    # a passing reply wins over the ranking's choice
+    passing = [*replies[:1], dataclasses.replace(replies[1], why="resolved"), *replies[2:]]
+    assert run(_prefers("3"), passing) == (1, "resolved")
+    # no change the scorer finds better than the code as it stands: nothing to learn
+    assert run(_prefers("1")) is None
+    assert run(_prefers("3"), [replies[0], replies[3]]) is None
+
+
+def test_task_files_hold_only_the_asked_paths_inside_the_folder(tmp_path):
+    task = _tar_task(tmp_path, {"a.py": "A\n", "pkg/b.py": "B\n", "c.py": "C\n"})
+    with fixstep.task_files(task, ["a.py", "./pkg/b.py", "missing.py", "../a.py"]) as ws:
+        assert ws.read_text("a.py") == "A\n" and ws.read_text("pkg/b.py") == "B\n"
+        assert not ws.exists("c.py") and not ws.exists("missing.py")
+        assert not (ws.root.parent / "a.py").exists()
+
+
+def test_picks_are_saved_as_made_and_read_back(tmp_path):
+    task = _tar_task(tmp_path, {"a.py": "x = 1\n"})
+    tasks = {"t1": task, "t2": task}
+    groups = [
+        {
+            "state": f"s{i}:3",
+            "task_id": t,
+            "replies": [Reply(_edit("x = 1", new), [1], [2], [-1.0])],
+        }
+        for i, (t, new) in enumerate((("t1", "x = 3"), ("t2", "x = 2"), ("gone", "x = 3")))
+    ]
+    out = tmp_path / "picks.jsonl"
+    score = _prefers("3")
+    picked = fixstep.pick_groups(groups, tasks, score, out, log=lambda line: None)
+    assert [(g["state"], g["pick"], g["why"]) for g in picked] == [("s0:3", 0, "ranked")]
+    assert len(out.read_text().splitlines()) == 2  # s2's task is not in the map
+    asked = len(score.asked)
+    again = fixstep.pick_groups(groups, tasks, score, out, log=lambda line: None)
+    assert [g["state"] for g in again] == ["s0:3"] and len(score.asked) == asked
+
+
+def test_a_picked_group_trains_its_pick_alone():
+    trainer = _lora_trainer()
+    prompt = [5, 9, 11, 3]
+    replies = [Reply("", prompt, ids, [-4.0, -4.0], reward=0.0) for ids in ([8, 4], [6, 2])]
+    assert train_groups(trainer, [{"replies": replies}]) == 0  # no mixed reward, no pick
+    rows = []
+    steps = train_groups(
+        trainer, [{"replies": replies, "pick": 1}], on_step=lambda n, s: rows.append(s)
+    )
+    assert steps == 1 and rows[0]["groups"] == 1.0
+    # the one-hot advantage is the gradient of the picked reply alone
+    ours, theirs = _lora_trainer(), _lora_trainer()
+    theirs.model.load_state_dict(ours.model.state_dict())
+    tokens = float(sum(len(r.ids) for r in replies))
+    fixstep._group_backward(ours, replies, [0.0, 1.0], tokens)
+    fixstep._group_backward(theirs, replies[1:], [1.0], tokens)
+    for (n, g), (_, h) in zip(_grads(ours).items(), _grads(theirs).items(), strict=True):
+        assert torch.allclose(g, h, atol=1e-6), n
