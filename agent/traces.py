@@ -34,7 +34,7 @@ from typing import Any
 from opencomposer.agent.redact import Redactor, names_env_file
 from opencomposer.tools.git import Git, GitError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 INTERRUPTED = "interrupted"  # the status of a session whose process died mid-run
 UNTRACKED_MAX_FILES = 200
 UNTRACKED_MAX_BYTES = 1_000_000
@@ -52,7 +52,7 @@ CREATE TABLE IF NOT EXISTS turns (
   session_id TEXT, turn INTEGER, messages TEXT, text TEXT, finish_reason TEXT,
   prompt_token_ids TEXT, completion_token_ids TEXT, completion_logprobs TEXT,
   prompt_tokens INTEGER, completion_tokens INTEGER, weight_version INTEGER,
-  t_start REAL, t_end REAL, redacted INTEGER DEFAULT 0,
+  t_start REAL, t_end REAL, redacted INTEGER DEFAULT 0, meta TEXT,
   PRIMARY KEY (session_id, turn)
 );
 CREATE TABLE IF NOT EXISTS tool_calls (
@@ -68,7 +68,7 @@ CREATE TABLE IF NOT EXISTS edits (
 CREATE INDEX IF NOT EXISTS sessions_started ON sessions(started);
 """
 # Columns added after version 1: (table, column, type), added to older files on open.
-_ADDED = (("sessions", "pid", "INTEGER"), ("sessions", "owner", "TEXT"))
+_ADDED = (("sessions", "pid", "INTEGER"), ("sessions", "owner", "TEXT"), ("turns", "meta", "TEXT"))
 
 
 def home() -> Path:
@@ -307,7 +307,10 @@ class TraceStore:
             return None if v is None or redacted else dumps(v)
 
         self._exec(
-            "INSERT OR REPLACE INTO turns VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO turns (session_id, turn, messages, text, finish_reason,"
+            " prompt_token_ids, completion_token_ids, completion_logprobs, prompt_tokens,"
+            " completion_tokens, weight_version, t_start, t_end, redacted, meta)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 session_id,
                 turn,
@@ -323,6 +326,7 @@ class TraceStore:
                 t_start,
                 t_end,
                 int(redacted),
+                dumps(_redacted(getattr(output, "meta", None) or {}, redactor), default=str),
             ),
         )
 
@@ -487,6 +491,7 @@ class TraceStore:
                 "prompt_token_ids": _loads(t["prompt_token_ids"]),
                 "completion_token_ids": _loads(t["completion_token_ids"]),
                 "completion_logprobs": _loads(t["completion_logprobs"]),
+                "meta": _loads(t["meta"]) or {},
             }
             for t in turns
         ]
@@ -499,6 +504,18 @@ class TraceStore:
         ]
         session["edits"] = [{k: v for k, v in dict(e).items() if k != "session_id"} for e in edits]
         return finite(session)
+
+
+def _redacted(value: Any, redactor: Redactor) -> Any:
+    """`value` (a turn's `meta`: what the backend and the session noted of it) with
+    every string in it redacted."""
+    if isinstance(value, str):
+        return redactor(value)
+    if isinstance(value, dict):
+        return {str(k): _redacted(v, redactor) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v, redactor) for v in value]
+    return value
 
 
 def _loads(v: str | None) -> Any:

@@ -29,6 +29,7 @@ def test_round_trip_and_redaction(tmp_path):
         text="saw postgres://u:hunter2secret@db/x",
         prompt_token_ids=[1, 2],
         completion_token_ids=[3],
+        meta={"stop_reason": "token sk-abcdefghijklmnopqrstu"},
     )
     store.write_turn(
         "s1", 1, messages=[{"role": "user", "content": "hi"}], output=out, t_start=0, t_end=1
@@ -36,6 +37,7 @@ def test_round_trip_and_redaction(tmp_path):
     clean = TurnOutput(
         text="plain", prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5]
     )
+    clean.meta["fix_samples"] = {"chosen": 1, "gains": [None, 2.5, float("nan")]}
     store.write_turn(
         "s1", 2, messages=[{"role": "user", "content": "hi"}], output=clean, t_start=1, t_end=2
     )
@@ -60,6 +62,9 @@ def test_round_trip_and_redaction(tmp_path):
     assert "hunter2secret" not in t["turns"][0]["text"]
     assert t["turns"][0]["prompt_token_ids"] is None and t["turns"][0]["redacted"] == 1
     assert t["turns"][1]["completion_logprobs"] == [-0.5]
+    # what the backend and the session noted of a turn is kept, redacted and strict JSON
+    assert t["turns"][0]["meta"] == {"stop_reason": "token [REDACTED]"}
+    assert t["turns"][1]["meta"] == {"fix_samples": {"chosen": 1, "gains": [None, 2.5, None]}}
     assert "abcdef123456" not in t["tool_calls"][0]["result"]
     assert t["edits"][0]["decision"] == "accept"
     assert store.resolve("s") == "s1"
@@ -367,3 +372,20 @@ def test_old_database_gains_the_owner_columns(tmp_path):
     assert store.get("old")["status"] == "running"  # no owner recorded: left as it was
     store.start_session("new", workspace=tmp_path, model="m", sampling={}, query="q")
     assert store.get("new")["pid"] == os.getpid()
+
+
+def test_old_database_gains_the_turn_meta_column(tmp_path):
+    db = tmp_path / "traces.db"
+    store = TraceStore(db)
+    store.start_session("s", workspace=tmp_path, model="m", sampling={}, query="q")
+    store.close()
+    with sqlite3.connect(db) as raw:  # a store written before turns had `meta`
+        raw.execute("ALTER TABLE turns DROP COLUMN meta")
+        raw.execute(
+            "INSERT INTO turns (session_id, turn, messages, text) VALUES ('s', 1, '[]', 'a')"
+        )
+    store = TraceStore(db)
+    out = TurnOutput(text="b", meta={"repetition_period": 3})
+    store.write_turn("s", 2, messages=[], output=out, t_start=0, t_end=1)
+    turns = store.export("s")["turns"]
+    assert [t["meta"] for t in turns] == [{}, {"repetition_period": 3}]
