@@ -24,8 +24,6 @@ import json
 import math
 import os
 import sys
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,9 +44,7 @@ def main() -> int:
     from opencomposer.agent import alternatives
     from opencomposer.agent.xmlcalls import parse_all
     from opencomposer.tools.specs import parser_rules
-    from opencomposer.tools.workspace import LocalWorkspace
-    from opencomposer.training.corpus import apply_edits, default_corpus
-    from opencomposer.training.fixstep import lm_scorer
+    from opencomposer.training.fixstep import lm_scorer, named_paths, task_files, task_map
     from opencomposer.training.sft_offline import model_dir
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
@@ -60,15 +56,7 @@ def main() -> int:
             memo[context, text] = await forward(context, text)
         return memo[context, text]
 
-    corpus = Path(os.environ.get("OPENCOMPOSER_CORPUS") or default_corpus()).expanduser()
-    rows = {}
-    for d in sorted((corpus / "projects").iterdir()):
-        if (d / "tasks.jsonl").is_file():
-            for line in (d / "tasks.jsonl").read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    rows[r["id"]] = (d, r)
-
+    tasks = task_map("corpus:heldout")
     states = [json.loads(x) for x in a.groups.read_text().splitlines() if x.strip()]
     kept = {n: 0.0 for n in a.n}
     any_fix = {n: 0.0 for n in a.n}
@@ -76,25 +64,14 @@ def main() -> int:
     picks: dict[int, list[float]] = {n: [] for n in a.n}
     t0, used = time.perf_counter(), 0
     for st in states:
-        if st["task_id"] not in rows:
+        if st["task_id"] not in tasks:
             continue
         used += 1
         memo.clear()
-        project, task = rows[st["task_id"]]
-        with (
-            tempfile.TemporaryDirectory(prefix="fix-rank-") as tmp,
-            tarfile.open(project / "snapshot.tar") as tar,
-        ):
-            root = Path(tmp)
-            for path in {e["path"] for e in task["edits"]}:
-                data = tar.extractfile(path).read()  # type: ignore[union-attr]
-                mine = [e for e in task["edits"] if e["path"] == path]
-                (root / path).parent.mkdir(parents=True, exist_ok=True)
-                (root / path).write_bytes(apply_edits(data, mine))
-            ws = LocalWorkspace(root)
-            replies = st["replies"]
+        replies = st["replies"]
+        cands = [parse_all(r["text"], *parser_rules()) for r in replies]
+        with task_files(tasks[st["task_id"]], named_paths(cands)) as ws:
             fixed = [r["why"] == "resolved" for r in replies]
-            cands = [parse_all(r["text"], *parser_rules()) for r in replies]
             for n in a.n:
                 ranked = asyncio.run(alternatives.rank(ws, cands[:n], score))
                 hit = float(fixed[ranked.index])

@@ -424,46 +424,39 @@ def _group_backward(
 
 def lm_scorer(folder: Path) -> Callable[[str, str], Any]:
     """`alternatives.Score` over a local model folder as a `transformers` forward pass
-    (fp32, the CPU's threads): log P(text | the last `CONTEXT_TOKENS` of context)."""
+    (fp32, the CPU's threads): log P(text | the last `CONTEXT_TOKENS` of context), on the
+    token ids the backends' `logprob` scores (`ChatTokenizer.scored_ids`)."""
     import torch
     from opencomposer.agent import alternatives
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from opencomposer.agent.backends._local import ChatTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = ChatTokenizer(folder)
     lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
     async def score(context: str, text: str) -> float:
-        before = tok.encode(context, add_special_tokens=False)[-alternatives.CONTEXT_TOKENS :]
-        body = tok.encode(text, add_special_tokens=False)
-        ids = [*(before or [tok.bos_token_id or 0]), *body]
+        ids, first = tok.scored_ids(context, text, alternatives.CONTEXT_TOKENS)
         with torch.inference_mode():
             logits = lm(torch.tensor([ids])).logits[0, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
-        first = len(ids) - len(body)
         pos = torch.arange(first - 1, len(ids) - 1)
         return float(logp[pos, torch.tensor(ids[first:])].sum())
 
     return score
 
 
-async def pick_best(
-    files: Callable[[Sequence[str]], Any], replies: Sequence[Reply], score: Any
-) -> tuple[int, str] | None:
+async def pick_best(task: Any, replies: Sequence[Reply], score: Any) -> tuple[int, str] | None:
     """``(index, why)`` of the reply to learn at a state, or None: among replies the
     tests pass (``why`` "resolved"), the one the ranking prefers; else the ranking's
     choice (`alternatives.rank`: the candidate whose changed code ``score`` finds
-    likeliest against the code as it stands) when that gain is positive ("ranked").
-    ``files(paths)`` is a context manager giving a `Workspace` that holds the state's
-    files at those paths."""
+    likeliest against the code as it stands, in the task's files) when that gain is
+    positive ("ranked")."""
     from opencomposer.agent import alternatives
     from opencomposer.agent.xmlcalls import parse_all
     from opencomposer.tools.specs import parser_rules
 
     cands = [parse_all(r.text, *parser_rules()) for r in replies]
-    paths = sorted(
-        {str(c.raw.get("path", "")) for calls in cands for c in calls if c.raw.get("path")}
-    )
-    with files(paths) as ws:
+    with task_files(task, named_paths(cands)) as ws:
         ranked = await alternatives.rank(ws, cands, score)
     gains = ranked.gains
     passed = [i for i, r in enumerate(replies) if r.why == "resolved"]
@@ -472,6 +465,11 @@ async def pick_best(
     if math.isfinite(gains[ranked.index]) and gains[ranked.index] > 0:
         return ranked.index, "ranked"
     return None
+
+
+def named_paths(candidates: Sequence[Sequence[Any]]) -> list[str]:
+    """The paths the candidates' calls name, each once."""
+    return sorted({str(c.raw["path"]) for calls in candidates for c in calls if c.raw.get("path")})
 
 
 @contextlib.contextmanager
@@ -518,8 +516,7 @@ def pick_groups(
     for n, g in enumerate(groups, 1):
         if g["state"] in done or g["task_id"] not in tasks or not g["replies"]:
             continue
-        task = tasks[g["task_id"]]
-        got = asyncio.run(pick_best(lambda p, t=task: task_files(t, p), g["replies"], score))
+        got = asyncio.run(pick_best(tasks[g["task_id"]], g["replies"], score))
         row = {"state": g["state"], "pick": got[0] if got else None, "why": got[1] if got else ""}
         done[g["state"]] = row
         with open(out, "a") as f:
@@ -705,11 +702,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 groups, task_map(a.suite), lm_scorer(model_dir(a.model)), a.out / "picks.jsonl"
             )
             whys = collections.Counter(g["why"] for g in groups)
-            hits = sum(g["replies"][g["pick"]].why == "resolved" for g in groups)
             print(
                 f"best replies: {len(groups)} states ({whys['resolved']} passing, "
-                f"{whys['ranked']} ranked), {hits} of them resolve their task "
-                f"({time.time() - t0:.0f} s)",
+                f"{whys['ranked']} ranked) ({time.time() - t0:.0f} s)",
                 flush=True,
             )
         return _train(a, groups, t0)

@@ -360,11 +360,8 @@ def test_best_of_k_picks_a_passing_reply_else_the_one_the_ranking_prefers(tmp_pa
         Reply(_edit("y = 1", "x = 3"), [1], [2], [-1.0], why="no edit applied"),
     ]
 
-    def files(paths):
-        return fixstep.task_files(task, paths)
-
     def run(score, rs=replies):
-        return asyncio.run(fixstep.pick_best(files, rs, score))
+        return asyncio.run(fixstep.pick_best(task, rs, score))
 
     assert run(_prefers("3")) == (2, "ranked")
     # a passing reply wins over the ranking's choice
