@@ -11,10 +11,17 @@ candidate whose changed code the model itself finds likeliest against the code a
 stands (`code_gain`: log P(after) - log P(before) over the changed lines and the
 lines around them, with the code above as context). Only that candidate's calls run.
 
-Nothing here reads a test or runs anything: the ranking is the model's own judgment
-of code, the same model that wrote the candidates. A candidate whose change cannot
-apply (an `<old>` the file does not hold) or changes nothing ranks last, so the
-first reply is kept when no other does better.
+The ranking reads no test and runs nothing: it is the model's own judgment of code,
+the same model that wrote the candidates. A candidate whose change cannot apply (an
+`<old>` the file does not hold) or changes nothing ranks last, so the first reply is
+kept when no other does better.
+
+When the model's last command failed (it reproduced the bug, or ran the tests after a
+change that did not fix it), the session can also try the candidates against that
+command (`first_passing`), best-ranked first, each in a trial run that sees the
+candidate's files and changes nothing (`tools.sandbox.run_sandboxed(files=…)`); the
+first that makes it pass is kept, else the ranking's choice. The command is the
+model's own: it chose what shows the change works.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ AROUND_CHARS = 400
 CONTEXT_TOKENS = 512
 
 Score = Callable[[str, str], Awaitable[float]]  # (context, text) -> log P(text | context)
+# {path: text after the change} -> whether the check passes with those files; None: it
+# could not be tried (the trial run was refused, or the time left was too short)
+Check = Callable[[dict[str, str]], Awaitable[bool | None]]
 
 
 def changes(call: ParsedCall) -> bool:
@@ -147,3 +157,40 @@ async def rank(ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], score:
 
 async def _never() -> float:
     return -math.inf
+
+
+@dataclass(frozen=True)
+class Tried:
+    index: int | None  # of the first candidate that passed; None: none did
+    runs: int  # trial runs made (candidates that change files alike share one)
+
+
+async def first_passing(
+    ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], gains: Sequence[float], check: Check
+) -> Tried:
+    """The first candidate, in the order of `gains` (highest first, the earliest on a
+    tie), whose files pass `check`; candidates that cannot apply are not tried, and
+    those that leave the files alike are tried once. Stops at the first `check` that
+    could not be tried: later ones would fare no better."""
+    order = sorted(
+        (i for i in range(len(candidates)) if math.isfinite(gains[i])),
+        key=lambda i: (-gains[i], i),
+    )
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    runs = 0
+    for i in order:
+        changed = preview(ws, candidates[i])
+        if not changed:
+            continue
+        files = {path: after for path, (_, after) in changed.items()}
+        key = tuple(sorted(files.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        passed = await check(files)
+        if passed is None:
+            break
+        runs += 1
+        if passed:
+            return Tried(index=i, runs=runs)
+    return Tried(index=None, runs=runs)

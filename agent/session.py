@@ -32,6 +32,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from opencomposer.agent import alternatives
@@ -49,9 +50,11 @@ from opencomposer.tools.protocols import (
     Index,
     SandboxConfig,
     ToolContext,
+    ToolError,
     ToolResult,
     Workspace,
 )
+from opencomposer.tools.sandbox import run_sandboxed
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,10 @@ DEFAULT_MAX_TURNS = 25
 # turns in a row, ends the session (status "repetition"): a model in that loop does
 # not leave it, and every further turn spends time and tokens on the same error.
 STUCK_TURNS = 3
+# A trial run of a candidate change (`SessionConfig.verify_s`) may take this many times
+# what the failing command took, and at least TRIAL_MIN_S seconds.
+TRIAL_FACTOR = 3.0
+TRIAL_MIN_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +100,12 @@ class SessionConfig:
     # a backend with `alternatives` and `logprob` (vLLM, llama.cpp) can; others keep one reply
     fix_samples: int | None = None
     fix_temperature: float = 0.8  # of the extra replies: they must differ to help
+    # with fix_samples, while the model's last command failed, the candidates are tried
+    # against that command, best-ranked first, each in a read-only trial run that sees
+    # its changed files (`alternatives.first_passing`); the first that passes is kept.
+    # The seconds those runs may take in one turn; 0: off. Only a command that would
+    # run without a question is tried (the policy allows it, or the user said "always")
+    verify_s: float = 60.0
 
 
 @dataclass(kw_only=True)
@@ -218,13 +231,8 @@ def unchecked_answer(turns: list[TurnRecord]) -> str:
             continue
         if spec is not None and spec.kind == "edit" and result.status == "ok":
             changed, failed = True, None
-        elif c.name == specs.RUN_TERMINAL and changed:
-            meta = result.meta or {}
+        elif changed and (meta := _check_meta(c)) is not None:
             code, killed = meta.get("exit_code"), meta.get("killed_reason")
-            if code is None and not killed:
-                continue  # refused or never started: it says nothing about the change
-            if code and not killed and meta.get("silent"):
-                continue  # found nothing: a search, not a check of the change
             failed = (str(c.args.get("command", "")), code, killed) if code or killed else None
     if failed is None:
         return ""
@@ -236,6 +244,37 @@ def unchecked_answer(turns: list[TurnRecord]) -> str:
         f"After your last change, `{command}` {how}, so the task is not done "
         "yet. Keep working on it; if it cannot pass, answer and say why."
     )
+
+
+def _check_meta(call: CallRecord) -> dict[str, Any] | None:
+    """The meta of a `run_terminal` call that checked something: it started (not refused)
+    and did not fail silently (exit non-zero with no output: a search that found
+    nothing); None for any other call."""
+    if call.name != specs.RUN_TERMINAL or call.result is None:
+        return None
+    meta = call.result.meta or {}
+    code, killed = meta.get("exit_code"), meta.get("killed_reason")
+    if code is None and not killed:
+        return None  # refused or never started
+    if code and not killed and meta.get("silent"):
+        return None
+    return meta
+
+
+def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
+    """(command, seconds it ran) of the model's last check when that check failed, by
+    its exit code, not by a kill; None when it passed, was killed, or there is none.
+    What a change is tried against before it is made (`SessionConfig.verify_s`)."""
+    last = None
+    for c in (c for t in turns for c in t.calls):
+        if (meta := _check_meta(c)) is not None:
+            last = (c, meta)
+    if last is None:
+        return None
+    call, meta = last
+    if not meta.get("exit_code") or meta.get("killed_reason"):
+        return None
+    return str(call.args.get("command", "")), float(meta.get("duration_s") or 0.0)
 
 
 def _first_error(calls: list[tuple[str, str, str]]) -> str:
@@ -565,12 +604,55 @@ class Session:
             [r[2] for r in replies],
             self.model.logprob,  # type: ignore[attr-defined]
         )
-        chosen = replies[ranked.index]
+        index, checked = ranked.index, None
+        if len(replies) > 1 and (trial := self._trial()) is not None:
+            command, check = trial
+            tried = await alternatives.first_passing(
+                self.workspace, [r[2] for r in replies], ranked.gains, check
+            )
+            checked = {"command": command, "runs": tried.runs, "passed": tried.index}
+            index = ranked.index if tried.index is None else tried.index
+        chosen = replies[index]
         chosen[0].meta["fix_samples"] = {
-            "chosen": ranked.index,
+            "chosen": index,
             "gains": [round(g, 3) if g > float("-inf") else None for g in ranked.gains],
+            **({"checked": checked} if checked else {}),
         }
         return chosen
+
+    def _trial(self) -> tuple[str, alternatives.Check] | None:
+        """(command, check) that tries a candidate's files against the model's last
+        failing command (`failing_check`), within `verify_s` seconds for the turn; None
+        when there is no such command or the policy would ask before running it."""
+        found = failing_check(self.turns) if self.config.verify_s > 0 else None
+        if found is None:
+            return None
+        command, seconds = found
+        if not self.runs_unasked(specs.BY_NAME[specs.RUN_TERMINAL], {"command": command}):
+            return None
+        deadline = self.clock.now() + self.config.verify_s
+        # a run may take a few times what the failing one took (a fix can run more of
+        # the test), never past the turn's budget
+        each = max(TRIAL_MIN_S, TRIAL_FACTOR * seconds)
+
+        async def check(files: dict[str, str]) -> bool | None:
+            left = deadline - self.clock.now()
+            if left < TRIAL_MIN_S:
+                return None
+            try:
+                result = await run_sandboxed(
+                    command,
+                    root=Path(self.workspace.root),
+                    config=self.ctx.sandbox,
+                    timeout_s=min(each, left, self.ctx.sandbox.timeout_s),
+                    files=files,
+                )
+            except (ToolError, OSError) as e:
+                log.info("session %s: no trial run of %r: %s", self.id, command, e)
+                return None
+            return result.ok
+
+        return command, check
 
     # -- tools ------------------------------------------------------------------
 
@@ -616,11 +698,21 @@ class Session:
             return not self.config.auto_apply_edits
         return spec.safe is None or not spec.safe(args, self.workspace.root)
 
+    @staticmethod
+    def _always_key(spec: specs.ToolSpec, args: dict[str, Any]) -> str:
+        """What an "always" answer covers: the tool, or for one with a safety check
+        these exact arguments."""
+        return spec.name + (json.dumps(args, sort_keys=True) if spec.safe else "")
+
+    def runs_unasked(self, spec: specs.ToolSpec, args: dict[str, Any]) -> bool:
+        """Whether this call would run now without a question: the policy allows it,
+        or the user answered "always" for it earlier in the session."""
+        return not self.needs_approval(spec, args) or self._always_key(spec, args) in self._always
+
     async def _gate(self, spec: specs.ToolSpec, args: dict[str, Any]) -> str | None:
         if not self.needs_approval(spec, args):
             return None
-        # "always" covers the tool, or for one with a safety check these exact arguments
-        key = spec.name + (json.dumps(args, sort_keys=True) if spec.safe else "")
+        key = self._always_key(spec, args)
         async with self._approval_lock:
             if key in self._always:
                 return None

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -64,8 +65,9 @@ import shutil
 import signal
 import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,11 +134,17 @@ def _shell() -> str:
 
 
 def sandbox_argv(
-    command: str, root: Path, config: SandboxConfig, guard: GitGuard | None = None
+    command: str,
+    root: Path,
+    config: SandboxConfig,
+    guard: GitGuard | None = None,
+    over: Collection[tuple[str, str]] = (),
 ) -> list[str]:
     """The full argv that runs `command` in `root` under `config`; SandboxError if it can't.
 
-    `guard`: the workspace's `git_guard`, when the caller has it already."""
+    `guard`: the workspace's `git_guard`, when the caller has it already. `over`:
+    (source, target) files bound read-only over files of the workspace (a trial run's
+    changed files, `run_sandboxed(files=…)`)."""
     shell = [_shell(), "-c", command]
     if config.mode == "off":
         return shell
@@ -171,6 +179,7 @@ def sandbox_argv(
         *_under_tmp_binds(root),
         bind, str(root), str(root),
         *git_binds,
+        *(arg for source, target in over for arg in ("--ro-bind", source, target)),
         "--chdir", str(root),
         "--",
     ]  # fmt: skip
@@ -769,15 +778,59 @@ async def run_sandboxed(
     root: Path,
     config: SandboxConfig,
     timeout_s: float | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> CommandResult:
-    """Run `command` with bash at `root` under `config`; see the module docstring."""
+    """Run `command` with bash at `root` under `config`; see the module docstring.
+
+    `files`: a trial run. The command sees these texts ({path in the workspace: text})
+    in place of those files, and the whole workspace read-only, so it changes nothing
+    however it ends. Each path must name a file that exists; mode `off` cannot do it."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise SandboxError(f"workspace {root} is not a directory")
+    if files is not None:
+        if config.mode == "off":
+            raise SandboxError("a trial run needs the sandbox (mode read-only or workspace-write)")
+        config = dataclasses.replace(config, mode="read-only")
     if root == Path(root.anchor) and config.mode == "workspace-write":
         raise SandboxError("the workspace is the file-system root; refusing to make it writable")
     guard = git_guard(root) if config.mode == "workspace-write" and bwrap_path() else None
-    argv = sandbox_argv(command, root, config, guard)
+    with _trial_files(root, files or {}) as over:
+        return await _run(command, root, config, timeout_s, guard, over)
+
+
+@contextlib.contextmanager
+def _trial_files(root: Path, files: Mapping[str, str]) -> Iterator[list[tuple[str, str]]]:
+    """(source, target) binds that put `files`' texts over the workspace's files, from
+    a private folder outside it that is removed afterwards."""
+    if not files:
+        yield []
+        return
+    folder = Path(tempfile.mkdtemp(prefix="opencomposer-trial-"))
+    try:
+        over = []
+        for i, (path, text) in enumerate(files.items()):
+            target = (root / path).resolve()
+            if root not in target.parents or not target.is_file():
+                raise SandboxError(f"a trial run can only replace a file in the workspace: {path}")
+            source = folder / str(i)
+            source.write_bytes(text.encode("utf-8"))
+            shutil.copymode(target, source)
+            over.append((str(source), str(target)))
+        yield over
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _run(
+    command: str,
+    root: Path,
+    config: SandboxConfig,
+    timeout_s: float | None,
+    guard: GitGuard | None,
+    over: list[tuple[str, str]],
+) -> CommandResult:
+    argv = sandbox_argv(command, root, config, guard, over)
     limit = config.timeout_s if timeout_s is None else timeout_s
     if limit <= 0:
         raise SandboxError(f"timeout must be positive, got {limit}")

@@ -152,3 +152,124 @@ async def test_without_fix_samples_or_a_backend_that_ranks_the_reply_runs_as_sam
         session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg)
         await session.run("fix add")
         assert "a * b" in (repo / "calc.py").read_text()
+
+
+async def test_first_passing_tries_the_best_ranked_first_and_each_change_once(repo):
+    ws = LocalWorkspace(repo)
+    (repo / "calc.py").write_text(CODE)
+    cands = [
+        calls(edit("    return a - b", "    return a * b")),
+        calls(edit("    return a - q", "    return a + b")),  # cannot apply: not tried
+        calls(edit("    return a - b", "    return a + b")),
+        calls(edit("    return a - b", "    return a * b")),  # alike the first: tried once
+        calls(edit("    return a - b", "    return b + a")),
+    ]
+    gains = [3.0, -math.inf, 1.0, 3.0, 2.0]
+    tried = []
+
+    async def check(files):
+        tried.append(files["calc.py"].splitlines()[1].strip())
+        return "+" in files["calc.py"]
+
+    got = await alt.first_passing(ws, cands, gains, check)
+    assert got == alt.Tried(index=4, runs=2) and tried == ["return a * b", "return b + a"]
+    assert (repo / "calc.py").read_text() == CODE  # nothing written
+
+    async def never(files):
+        tried.append("never")
+        return False
+
+    tried.clear()
+    assert await alt.first_passing(ws, cands, gains, never) == alt.Tried(index=None, runs=3)
+
+    async def no_time(files):  # the first run could not be made: none is
+        tried.append("none")
+        return None
+
+    tried.clear()
+    assert await alt.first_passing(ws, cands, gains, no_time) == alt.Tried(index=None, runs=0)
+    assert tried == ["none"]
+
+
+class LikesProducts(Ranking):
+    """A ranking that prefers the wrong change ("a * b")."""
+
+    async def logprob(self, context, text):
+        return text.count("a * b") * 5.0 - len(text) * 0.01
+
+
+CHECK = "python3 -c 'import calc; assert calc.add(2, 3) == 5, calc.add(2, 3)'"
+
+
+def run(command):
+    return f"<run_terminal><command>{command}</command></run_terminal>"
+
+
+async def test_a_failing_check_picks_the_candidate_that_makes_it_pass(repo, store):
+    """The model reproduced the failure; of its candidate changes, the one its ranking
+    likes best fails that command in a trial run and the next passes: that one is made."""
+    (repo / "calc.py").write_text(CODE)
+    fix = "The fix.\n" + edit("    return a - b", "    return a * b")
+    model = LikesProducts(
+        ["Reproducing.\n" + run(CHECK), fix, "Fixed."],
+        more=["\n" + edit("    return a - b", "    return b + a"), "\n" + edit("nope", "x")],
+    )
+    session = Session(
+        model=model,
+        workspace=LocalWorkspace(repo),
+        config=SessionConfig(approve="all"),
+        traces=store,
+    )
+    result = await session.run("fix add")
+    assert result.status == "completed"
+    assert (repo / "calc.py").read_text() == CODE.replace("a - b", "b + a")
+    meta = result.turns[1].output.meta["fix_samples"]
+    assert meta["chosen"] == 1 and meta["gains"][0] > meta["gains"][1]
+    assert meta["checked"] == {"command": CHECK, "runs": 2, "passed": 1}
+    assert (
+        store.export(result.session_id)["turns"][1]["meta"]["fix_samples"]["checked"]["passed"] == 1
+    )
+    assert not list(repo.rglob("__pycache__"))  # the trial runs wrote nothing
+
+
+async def test_a_command_the_user_allowed_always_is_tried(repo):
+    (repo / "calc.py").write_text(CODE)
+    model = LikesProducts(
+        [run(CHECK), edit("    return a - b", "    return a * b"), "Done."],
+        more=[edit("    return a - b", "    return b + a")],
+    )
+
+    async def always(name, args):
+        return "always"
+
+    cfg = SessionConfig(approve="safe", auto_apply_edits=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, approver=always)
+    result = await session.run("fix add")
+    assert (repo / "calc.py").read_text() == CODE.replace("a - b", "b + a")
+    assert result.turns[1].output.meta["fix_samples"]["checked"]["passed"] == 1
+
+
+async def test_no_trial_without_a_failing_check_a_free_command_or_time(repo):
+    """The ranking alone decides when the last check passed, when the policy would ask
+    before running the command, or when trials are off."""
+    passing = "python3 -c 'import calc'"
+    cases = (
+        ([run(passing)], SessionConfig(approve="all")),
+        ([run(CHECK)], SessionConfig(approve="all", verify_s=0)),
+        ([run(CHECK), run(passing)], SessionConfig(approve="all")),
+        ([run(CHECK)], SessionConfig(approve="safe", auto_apply_edits=True)),
+    )
+    for before, cfg in cases:
+        (repo / "calc.py").write_text(CODE)
+        model = LikesProducts(
+            [*before, edit("    return a - b", "    return a * b"), "Done."],
+            more=[edit("    return a - b", "    return b + a")],
+        )
+
+        async def yes(name, args):
+            return "run"  # this once: a trial would run it again unasked
+
+        session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, approver=yes)
+        result = await session.run("fix add")
+        assert (repo / "calc.py").read_text() == CODE.replace("a - b", "a * b"), (before, cfg)
+        assert "checked" not in result.turns[len(before)].output.meta["fix_samples"]

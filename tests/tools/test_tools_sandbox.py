@@ -452,3 +452,39 @@ async def test_symlinked_hooks_folder_is_put_back(repo: Path, tmp_path: Path) ->
     )
     assert os.readlink(repo / ".git" / "hooks") == "../githooks"
     assert not (shared / "pre-commit").exists() and "put back .git/hooks" in r.output
+
+
+async def test_a_trial_run_sees_the_given_files_and_changes_nothing(root: Path) -> None:
+    """A candidate change tried before it is made: the command reads the candidate's
+    text, its writes are refused, and no trace of the trial stays behind."""
+    (root / "pkg").mkdir()
+    (root / "pkg" / "mod.py").write_text("X = 1\n")
+    (root / "run.sh").write_text("echo old\n")
+    (root / "run.sh").chmod(0o755)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    r = await run_sandboxed(
+        "cat data.txt; python3 -c 'import pkg.mod as m; print(m.X)'; ./run.sh;"
+        " echo x > data.txt; touch new.txt; echo wrote=$?",
+        root=root,
+        config=cfg(),
+        files={"pkg/mod.py": "X = 2\n", "run.sh": "echo new\n"},
+    )
+    assert r.output.startswith("inside\n2\nnew\n") and "Read-only file system" in r.output
+    assert r.output.rstrip().endswith("wrote=1")
+    assert (root / "data.txt").read_text() == "inside\n"
+    assert (root / "pkg" / "mod.py").read_text() == "X = 1\n"
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    ok = await run_sandboxed(
+        "grep -q 2 pkg/mod.py", root=root, config=cfg(), files={"pkg/mod.py": "X = 2\n"}
+    )
+    assert ok.ok
+
+
+async def test_a_trial_run_replaces_only_files_of_the_workspace(root: Path, tmp_path: Path) -> None:
+    (tmp_path / "outside.txt").write_text("secret\n")
+    for path in ("../outside.txt", "missing.py", "."):
+        with pytest.raises(SandboxError, match="only replace a file in the workspace"):
+            await run_sandboxed("true", root=root, config=cfg(), files={path: "x"})
+    with pytest.raises(SandboxError, match="needs the sandbox"):
+        await run_sandboxed("true", root=root, config=cfg(mode="off"), files={"data.txt": "x"})
+    assert (tmp_path / "outside.txt").read_text() == "secret\n"
