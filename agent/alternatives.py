@@ -169,9 +169,10 @@ async def first_passing(
     ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], gains: Sequence[float], check: Check
 ) -> Tried:
     """The first candidate, in the order of `gains` (highest first, the earliest on a
-    tie), whose files pass `check`; candidates that cannot apply are not tried, and
-    those that leave the files alike are tried once. Stops at the first `check` that
-    could not be tried: later ones would fare no better."""
+    tie), whose files pass `check`; candidates that cannot apply or that create a file
+    (a trial run replaces files, it adds none) are not tried, and those that leave the
+    files alike are tried once. Stops at the first `check` that could not be tried:
+    later ones would fare no better."""
     order = sorted(
         (i for i in range(len(candidates)) if math.isfinite(gains[i])),
         key=lambda i: (-gains[i], i),
@@ -180,7 +181,7 @@ async def first_passing(
     runs = 0
     for i in order:
         changed = preview(ws, candidates[i])
-        if not changed:
+        if not changed or not all(ws.exists(path) for path in changed):
             continue
         files = {path: after for path, (_, after) in changed.items()}
         key = tuple(sorted(files.items()))

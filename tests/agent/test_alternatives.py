@@ -163,8 +163,9 @@ async def test_first_passing_tries_the_best_ranked_first_and_each_change_once(re
         calls(edit("    return a - b", "    return a + b")),
         calls(edit("    return a - b", "    return a * b")),  # alike the first: tried once
         calls(edit("    return a - b", "    return b + a")),
+        calls('<write_file path="new.py"><content>x = 1\n</content></write_file>'),  # a new file
     ]
-    gains = [3.0, -math.inf, 1.0, 3.0, 2.0]
+    gains = [3.0, -math.inf, 1.0, 3.0, 2.0, 9.0]
     tried = []
 
     async def check(files):
