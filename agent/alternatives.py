@@ -128,10 +128,14 @@ async def code_gain(
     return total
 
 
+Changed = dict[str, tuple[str, str]]  # {path: (text now, text after)}, as `preview` gives
+
+
 @dataclass(frozen=True)
 class Ranked:
     index: int  # of the chosen candidate
     gains: tuple[float, ...]  # each candidate's `code_gain`; -inf where it cannot apply
+    changed: tuple[Changed | None, ...] = ()  # each candidate's `preview`
 
 
 async def rank(ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], score: Score) -> Ranked:
@@ -152,7 +156,8 @@ async def rank(ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], score:
         *(code_gain(once, p, windows) if p else _never() for p in previews)
     )
     best = max(range(len(gains)), key=lambda i: (gains[i], -i))
-    return Ranked(index=best if math.isfinite(gains[best]) else 0, gains=tuple(gains))
+    index = best if math.isfinite(gains[best]) else 0
+    return Ranked(index=index, gains=tuple(gains), changed=tuple(previews))
 
 
 async def _never() -> float:
@@ -165,22 +170,20 @@ class Tried:
     runs: int  # trial runs made (candidates that change files alike share one)
 
 
-async def first_passing(
-    ws: Workspace, candidates: Sequence[Sequence[ParsedCall]], gains: Sequence[float], check: Check
-) -> Tried:
-    """The first candidate, in the order of `gains` (highest first, the earliest on a
-    tie), whose files pass `check`; candidates that cannot apply or that create a file
+async def first_passing(ws: Workspace, ranked: Ranked, check: Check) -> Tried:
+    """The first candidate of `rank`'s, in the order of its gains (highest first, the
+    earliest on a tie), whose files pass `check`; candidates that cannot apply or that create a file
     (a trial run replaces files, it adds none) are not tried, and those that leave the
     files alike are tried once. Stops at the first `check` that could not be tried:
     later ones would fare no better."""
+    gains = ranked.gains
     order = sorted(
-        (i for i in range(len(candidates)) if math.isfinite(gains[i])),
-        key=lambda i: (-gains[i], i),
+        (i for i in range(len(gains)) if math.isfinite(gains[i])), key=lambda i: (-gains[i], i)
     )
     seen: set[tuple[tuple[str, str], ...]] = set()
     runs = 0
     for i in order:
-        changed = preview(ws, candidates[i])
+        changed = ranked.changed[i]
         if not changed or not all(ws.exists(path) for path in changed):
             continue
         files = {path: after for path, (_, after) in changed.items()}

@@ -607,9 +607,7 @@ class Session:
         index, checked = ranked.index, None
         if len(replies) > 1 and (trial := self._trial()) is not None:
             command, check = trial
-            tried = await alternatives.first_passing(
-                self.workspace, [r[2] for r in replies], ranked.gains, check
-            )
+            tried = await alternatives.first_passing(self.workspace, ranked, check)
             checked = {"command": command, "runs": tried.runs, "passed": tried.index}
             index = ranked.index if tried.index is None else tried.index
         chosen = replies[index]

@@ -166,13 +166,16 @@ async def test_first_passing_tries_the_best_ranked_first_and_each_change_once(re
         calls('<write_file path="new.py"><content>x = 1\n</content></write_file>'),  # a new file
     ]
     gains = [3.0, -math.inf, 1.0, 3.0, 2.0, 9.0]
+    ranked = alt.Ranked(
+        index=5, gains=tuple(gains), changed=tuple(alt.preview(ws, c) for c in cands)
+    )
     tried = []
 
     async def check(files):
         tried.append(files["calc.py"].splitlines()[1].strip())
         return "+" in files["calc.py"]
 
-    got = await alt.first_passing(ws, cands, gains, check)
+    got = await alt.first_passing(ws, ranked, check)
     assert got == alt.Tried(index=4, runs=2) and tried == ["return a * b", "return b + a"]
     assert (repo / "calc.py").read_text() == CODE  # nothing written
 
@@ -181,14 +184,14 @@ async def test_first_passing_tries_the_best_ranked_first_and_each_change_once(re
         return False
 
     tried.clear()
-    assert await alt.first_passing(ws, cands, gains, never) == alt.Tried(index=None, runs=3)
+    assert await alt.first_passing(ws, ranked, never) == alt.Tried(index=None, runs=3)
 
     async def no_time(files):  # the first run could not be made: none is
         tried.append("none")
         return None
 
     tried.clear()
-    assert await alt.first_passing(ws, cands, gains, no_time) == alt.Tried(index=None, runs=0)
+    assert await alt.first_passing(ws, ranked, no_time) == alt.Tried(index=None, runs=0)
     assert tried == ["none"]
 
 
