@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,13 @@ def read_fix_samples(path: str | Path) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def read_repair(path: str | Path) -> bool:
+    """Whether a model folder's policy proposes small edits of its own and tries them
+    against a failing command when a change does not fix it (`repair`, see
+    `agent/repair.py`); False when it says nothing."""
+    return read_model_settings(path).get("repair") is True
+
+
 def read_turn_budget(path: str | Path) -> int | None:
     """The turns a model folder's policy was trained to finish in (`max_turns`), which a
     session that sets none uses; None when the folder says nothing usable."""
@@ -131,6 +138,21 @@ class ChatTokenizer:
         body = tok.encode(text, add_special_tokens=False)
         ids = [*(before or [tok.bos_token_id or 0]), *body]
         return ids, len(ids) - len(body)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text (no chat template) to token ids."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.hf.decode(list(ids)))
+
+    @property
+    def bos_id(self) -> int:
+        return int(self.hf.bos_token_id or 0)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self.hf.all_special_ids)
 
     def stop_ids(self) -> set[int]:
         tok = self.hf

@@ -55,6 +55,7 @@ from opencomposer.agent.backends._local import (
     read_context_window,
     read_fix_samples,
     read_prompt_style,
+    read_repair,
     read_turn_budget,
 )
 from opencomposer.agent.backends._stream import Emit, TaskStream
@@ -92,6 +93,8 @@ class LlamaCppModel:
         # replies for a turn that changes files, the likeliest change kept (a session's
         # `fix_samples` unset uses it; `agent/alternatives.py`)
         self.fix_samples = read_fix_samples(path)
+        # small edits of its own tried against a failing command (`agent/repair.py`)
+        self.repair = read_repair(path)
         self.context_window = context_window or read_context_window(path)
         self.qtype = qtype
         self.threads = threads or len(os.sched_getaffinity(0))
@@ -187,6 +190,33 @@ class LlamaCppModel:
             if engine is None:
                 raise ModelError("the llama.cpp engine was closed")
             return await asyncio.to_thread(engine.score, ids, first)
+
+    async def top_tokens(
+        self, ids: list[int], first: int, k: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """`repair.TokenLM.top_tokens` on this engine (`_Engine.top`)."""
+        return await self._on_engine(lambda engine: engine.top(ids, first, k), len(ids))
+
+    async def greedy(
+        self, prefixes: list[list[int]], max_tokens: int, until: list[int]
+    ) -> list[list[int]]:
+        """`repair.TokenLM.greedy`, one prefix after another; each reuses what the cache
+        shares with the one before."""
+        longest = max((len(p) for p in prefixes), default=0) + max_tokens
+
+        def run(engine: _Engine) -> list[list[int]]:
+            return [engine.greedy(p, max_tokens, u) for p, u in zip(prefixes, until, strict=True)]
+
+        return await self._on_engine(run, longest)
+
+    async def _on_engine(self, job: Callable[[_Engine], Any], tokens: int) -> Any:
+        await self.start()
+        check_fits(tokens, self.context_window)
+        async with self._lock:
+            engine = self._engine
+            if engine is None:
+                raise ModelError("the llama.cpp engine was closed")
+            return await asyncio.to_thread(job, engine)
 
     async def _run(
         self, engine: _Engine, prompt: list[int], sampling: Sampling, out: TurnOutput, emit: Emit
@@ -346,6 +376,64 @@ class _Engine:
             self.reset()  # what the cache holds is no longer known
             raise
         return total
+
+    def top(
+        self, ids: list[int], first: int, k: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For each of `ids[first:]`: (its log-probability after the ids before it, the
+        `k` likeliest tokens there with theirs), as `score` reads the cache."""
+        import numpy as np
+
+        def rows_of(logits: Any, targets: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+            rows = np.asarray(logits, dtype=np.float64)
+            top = rows.max(axis=1, keepdims=True)
+            logp = rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
+            best = np.argpartition(-logp, k, axis=1)[:, :k]
+            out = []
+            for r, target in enumerate(targets):
+                order = best[r][np.argsort(-logp[r, best[r]])]
+                out.append((float(logp[r, target]), [(int(t), float(logp[r, t])) for t in order]))
+            return out
+
+        if not 0 < first < len(ids):
+            return []
+        try:
+            common = min(_common_prefix(self.cached, ids), first - 1)
+            self._truncate(common)
+            found = rows_of(self._decode(ids[common:first], all_logits=False), [ids[first]])
+            for i in range(first, len(ids) - 1, 512):
+                chunk = ids[i : min(i + 512, len(ids) - 1)]
+                found += rows_of(
+                    self._decode(chunk, all_logits=True), ids[i + 1 : i + 1 + len(chunk)]
+                )
+        except BaseException:
+            self.reset()
+            raise
+        return found
+
+    def greedy(self, prefix: list[int], max_tokens: int, until: int) -> list[int]:
+        """The greedy continuation of `prefix`, `max_tokens` at most, up to a stop token
+        or `until` (kept)."""
+        import numpy as np
+
+        out: list[int] = []
+        try:
+            common = min(_common_prefix(self.cached, prefix), len(prefix) - 1)
+            self._truncate(common)
+            rows = self._decode(prefix[common:], all_logits=False)
+            while len(out) < max_tokens:
+                token = int(np.argmax(rows[-1]))
+                if token in self.stop_ids:
+                    break
+                out.append(token)
+                if token == until:
+                    break
+                if len(out) < max_tokens:
+                    rows = self._decode([token], all_logits=False)
+        except BaseException:
+            self.reset()
+            raise
+        return out
 
     def reset(self) -> None:
         """Forget the cached prefix (the next turn evaluates its whole prompt)."""

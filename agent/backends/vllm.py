@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -63,6 +64,7 @@ from opencomposer.agent.backends._local import (
     read_context_window,
     read_fix_samples,
     read_prompt_style,
+    read_repair,
     read_turn_budget,
 )
 from opencomposer.agent.backends._stream import Emit, TaskStream
@@ -132,6 +134,8 @@ class VLLMModel:
         # replies for a turn that changes files, the likeliest change kept (a session's
         # `fix_samples` unset uses it; `agent/alternatives.py`)
         self.fix_samples = read_fix_samples(path)
+        # small edits of its own tried against a failing command (`agent/repair.py`)
+        self.repair = read_repair(path)
         self.name = name or f"vllm:{path}"
         self.context_window = context_window or read_context_window(path)
         self.dtype = dtype
@@ -363,6 +367,61 @@ class VLLMModel:
         scored = (final.prompt_logprobs or []) if final is not None else []
         return float(
             sum(scored[i][ids[i]].logprob for i in range(first, len(ids)) if scored[i] is not None)
+        )
+
+    async def top_tokens(
+        self, ids: list[int], first: int, k: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """`repair.TokenLM.top_tokens`: the prompt's own logprobs, `k` per position."""
+        from vllm import SamplingParams
+
+        await self.start()
+        check_fits(len(ids) + 1, self.context_window)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+        final: Any = None
+        async for result in self._engine.generate(
+            {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
+        ):
+            final = result
+        scored = (final.prompt_logprobs or []) if final is not None else []
+        rows = []
+        for i in range(first, min(len(ids), len(scored))):
+            got = scored[i] or {}
+            here = got.get(ids[i])
+            top = sorted(((t, lp.logprob) for t, lp in got.items()), key=lambda x: -x[1])[:k]
+            rows.append((here.logprob if here is not None else -math.inf, top))
+        return rows
+
+    async def greedy(
+        self, prefixes: list[list[int]], max_tokens: int, until: list[int]
+    ) -> list[list[int]]:
+        """`repair.TokenLM.greedy`: the prefixes in one batch."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        await self.start()
+        for p in prefixes:
+            check_fits(len(p) + max_tokens, self.context_window)
+        stops = list(self.tokenizer.stop_ids())
+
+        async def one(prefix: list[int], end: int) -> list[int]:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                stop_token_ids=[*stops, end] if end >= 0 else stops,
+                include_stop_str_in_output=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            final: Any = None
+            async for result in self._engine.generate(
+                {"prompt_token_ids": prefix}, params, f"oc-{uuid.uuid4().hex}"
+            ):
+                final = result
+            outs = final.outputs if final is not None else []
+            return list(outs[0].token_ids) if outs else []
+
+        return list(
+            await asyncio.gather(*(one(p, u) for p, u in zip(prefixes, until, strict=True)))
         )
 
     # -- weight sync ---------------------------------------------------------

@@ -227,6 +227,43 @@ def test_text_holds_back_a_possible_stop_and_joins_split_characters() -> None:
     assert "".join(sent) == "abcSTéxx" and text.stop_reason == "STOP"
 
 
+def test_top_tokens_and_greedy_are_the_models(tiny, cache) -> None:
+    # what `agent/repair.py` reads: at each token, its logprob and the model's k likeliest
+    # tokens there; greedy continuations that stop at the token asked for
+    folder, reference = tiny
+    import torch
+
+    async def main() -> None:
+        model = LlamaCppModel(folder, qtype="f32", draft=0, threads=1)
+        tok = model.tokenizer
+        ids = tok.encode(CODE[:200])
+        try:
+            rows = await model.top_tokens(ids, 5, 4)
+            again = await model.top_tokens(ids, 5, 4)  # from the cache
+            prefixes = [ids[:20], ids[:30]]
+            free = await model.greedy(prefixes, 6, [-1, -1])
+            until = await model.greedy(prefixes, 6, [free[0][2], -1])
+        finally:
+            await model.close()
+        with torch.inference_mode():
+            logp = torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        assert len(rows) == len(ids) - 5 and rows == again
+        for i, (here, top) in zip(range(5, len(ids)), rows, strict=True):
+            assert here == pytest.approx(logp[i - 1, ids[i]].item(), abs=1e-3)
+            values, best = logp[i - 1].topk(4)
+            assert [t for t, _ in top] == best.tolist()
+            assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-3)
+        for prefix, got in zip(prefixes, free, strict=True):
+            assert len(got) == 6
+            with torch.inference_mode():
+                out = reference.generate(torch.tensor([prefix]), max_new_tokens=6, do_sample=False)
+            assert got == out[0, len(prefix) :].tolist()
+        end = free[0][2]
+        assert until == [free[0][: free[0].index(end) + 1], free[1]]
+
+    asyncio.run(main())
+
+
 def test_sampler_top_p_and_raw_logprobs() -> None:
     import numpy as np
 

@@ -69,6 +69,21 @@ async def test_vllm_engine_end_to_end(capfd: pytest.CaptureFixture[str]) -> None
         assert got == pytest.approx(sum(reference_logprobs(model.path, prompt, body)), abs=0.3)
         assert got > await model.logprob(context, " Berlin.")
 
+        # What a repair reads (`agent/repair.py`): each token's logprob and the likeliest
+        # tokens there, and greedy continuations that stop at the token asked for.
+        rows = await model.top_tokens(prompt + body, len(prompt), 5)
+        assert len(rows) == len(body) and sum(h for h, _ in rows) == pytest.approx(got, abs=0.05)
+        for here, top in rows:  # the likeliest first, none less likely than a token not in it
+            values = [lp for _, lp in top]
+            assert len(top) == 5 and values == sorted(values, reverse=True)
+            assert here <= values[0] + 1e-3
+        first = rows[0][1][0][0]  # the likeliest token after the context
+        free, until = (
+            await model.greedy([prompt], 4, [-1]),
+            await model.greedy([prompt], 4, [first]),
+        )
+        assert free[0][0] == first and len(free[0]) == 4 and until == [[first]]
+
         # Eight sessions at once on the one engine.
         prompts = [[Message(role="user", content=f"Count from 1 to {n}.")] for n in range(5, 13)]
         outs = await asyncio.gather(
