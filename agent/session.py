@@ -26,6 +26,7 @@ carry the token ids and logprobs the trainer needs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opencomposer.agent import alternatives
+from opencomposer.agent import alternatives, repair
 from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
@@ -106,6 +107,13 @@ class SessionConfig:
     # The seconds those runs may take in one turn; 0: off. Only a command that would
     # run without a question is tried (the policy allows it, or the user said "always")
     verify_s: float = 60.0
+    # when the model's last command failed and the turn's change does not make it pass,
+    # small edits the model itself proposes in the code around the change, the failing
+    # run's traceback and what the session looked at are tried against that command in
+    # trial runs, within `verify_s` of their own, and the first that passes is made instead
+    # (`agent/repair.py`); None: the model's own `repair` setting. Needs a backend with
+    # `top_tokens`, `greedy` and `logprob` (vLLM, llama.cpp)
+    repair: bool | None = None
 
 
 @dataclass(kw_only=True)
@@ -277,6 +285,57 @@ def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
     return str(call.args.get("command", "")), float(meta.get("duration_s") or 0.0)
 
 
+def _repair_lines(
+    ws: Workspace, turns: list[TurnRecord], held: list[ParsedCall]
+) -> list[tuple[str, int]]:
+    """(path, 0-based line) where a repair looks for its edits, the likeliest first:
+    what the turn's change targets, the frames of the failing run's traceback
+    (innermost first), then the lines the session's greps found and its reads showed,
+    the latest first."""
+    lines: list[tuple[str, int]] = []
+
+    def rel(path: str) -> str | None:
+        try:
+            return ws.relative(ws.resolve(path))
+        except (ToolError, OSError, ValueError):
+            return None
+
+    for call in held:
+        if call.name == specs.EDIT_FILE and (path := rel(call.raw.get("path", ""))):
+            old = call.raw.get("old", "")
+            try:
+                text = ws.read_text(path) if old and ws.exists(path) else ""
+            except (ToolError, OSError, UnicodeDecodeError):
+                text = ""
+            if old and (at := text.find(old)) >= 0:
+                lines.append((path, text.count("\n", 0, at)))
+    root = str(ws.root)
+    found = failing_check(turns)
+    records = [c for t in turns for c in t.calls if c.result is not None]
+    for c in reversed(records):
+        if found and c.name == specs.RUN_TERMINAL and str(c.args.get("command", "")) == found[0]:
+            lines += repair.traceback_lines(c.result.output if c.result else "", root)
+            break
+    for c in reversed(records):
+        out = c.result.output if c.result else ""
+        if c.name == specs.GREP:
+            lines += [(p, n) for p, n in repair.traceback_lines(out, root)[::-1]]
+        elif c.name == specs.READ_FILE and c.result and c.result.status == "ok":
+            path = rel(str(c.args.get("path", "")))
+            start = _int(c.args.get("start_line"), 1)
+            end = _int(c.args.get("end_line"), start + out.count("\n"))
+            if path:
+                lines += [(path, n) for n in range(max(0, start - 1), max(start, end))]
+    return lines
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
 def _first_error(calls: list[tuple[str, str, str]]) -> str:
     name, _, output = calls[0]
     lines = output.strip().splitlines() or [""]
@@ -370,6 +429,7 @@ class Session:
         self._cancel_reason: str | None = None
         self._running = False
         self._rechecked = False  # this request's answer was sent back once (`_recheck`)
+        self._repairs_tried: set[Any] = set()  # (command, spans and their code) `_repair` tried
 
     # -- public -----------------------------------------------------------------
 
@@ -508,8 +568,9 @@ class Session:
         )
         prompt = list(self.messages)
         stream = self.model.stream(prompt, sampling)
-        # with `fix_samples`, a change and every call after it wait for the reply's end
-        hold = self._fix_samples() > 1
+        # with `fix_samples`, or `repair` while the last check failed, a change and every
+        # call after it wait for the reply's end
+        hold = self._fix_samples() > 1 or (self._repair_on() and self._trial() is not None)
         held: list[ParsedCall] = []
 
         def route(calls: list[ParsedCall]) -> None:
@@ -566,14 +627,37 @@ class Session:
         able = hasattr(self.model, "alternatives") and hasattr(self.model, "logprob")
         return n if able and isinstance(n, int) else 1
 
+    def _repair_on(self) -> bool:
+        on = self.config.repair
+        on = getattr(self.model, "repair", False) is True if on is None else on
+        able = all(hasattr(self.model, m) for m in ("top_tokens", "greedy", "logprob"))
+        return bool(on) and able and hasattr(self.model, "tokenizer")
+
     async def _pick_change(
         self, output: TurnOutput, calls: list[ParsedCall], held: list[ParsedCall]
     ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]]:
+        """The reply to keep for a turn that changes files: with `fix_samples`, among
+        `output` and more replies (`_sample_change`); with `repair`, a small edit of the
+        model's own in place of its change when that change does not pass the failing
+        command and the edit does (`_repair`). Returns (the kept reply's output, all its
+        calls, its calls from the first change on, which have not run yet)."""
+        kept, passed = (output, calls, held), False
+        if self._fix_samples() > 1:
+            kept, passed = await self._sample_change(output, calls, held)
+        if not passed and self._repair_on() and (trial := self._trial()) is not None:
+            repaired = await self._repair(*kept, trial)
+            if repaired is not None:
+                kept = repaired
+        return kept
+
+    async def _sample_change(
+        self, output: TurnOutput, calls: list[ParsedCall], held: list[ParsedCall]
+    ) -> tuple[tuple[TurnOutput, list[ParsedCall], list[ParsedCall]], bool]:
         """The reply to keep among `output` and `fix_samples - 1` more that share its
         text up to the end of the last call before its first change, the calls that have
         run (`agent/alternatives.py`): each writes what it says about the change anew,
-        so the candidates differ in more than the edit. Returns (the kept reply's output,
-        all its calls, its calls from the first change on, which have not run yet)."""
+        so the candidates differ in more than the edit. While the last check failed, the
+        first candidate that passes it is kept; the second value says whether one did."""
         first = held[0]
         ran = [c for c in calls if c.index < first.index]
         cut = max((c.end for c in ran), default=0)
@@ -591,7 +675,7 @@ class Session:
             )
         except ModelError as e:
             log.warning("session %s: no alternatives to rank: %s", self.id, e)
-            return output, calls, held
+            return (output, calls, held), False
         replies = [(output, calls, held)]
         for alt in more:
             alt_calls = parse_all(alt.text, *specs.parser_rules())
@@ -616,7 +700,114 @@ class Session:
             "gains": [round(g, 3) if g > float("-inf") else None for g in ranked.gains],
             **({"checked": checked} if checked else {}),
         }
-        return chosen
+        return chosen, bool(checked and checked["passed"] is not None)
+
+    async def _repair(
+        self,
+        output: TurnOutput,
+        calls: list[ParsedCall],
+        held: list[ParsedCall],
+        trial: tuple[str, alternatives.Check],
+    ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]] | None:
+        """The reply with its change replaced by the first of the model's own small
+        edits (`repair.propose`) that passes the failing command, when the change itself
+        does not; None when the change passes, or no edit does in the time left."""
+        command, check = trial
+        t0 = self.clock.now()
+        runs = 0
+        own = alternatives.preview(self.workspace, held)
+        if own and all(self.workspace.exists(p) for p in own):
+            passed = await check({p: after for p, (_, after) in own.items()})
+            runs += passed is not None
+            if passed is None or passed:
+                return None  # it passes, or nothing more can be tried
+        lines = _repair_lines(self.workspace, self.turns, held)
+        texts: dict[str, str] = {}
+        for path, _ in lines:
+            if path not in texts and self.workspace.exists(path):
+                try:
+                    texts[path] = self.workspace.read_text(path)
+                except (ToolError, OSError, UnicodeDecodeError):
+                    continue
+        spans = repair.focus(texts, lines)
+        # the same code tried against the same command finds nothing new
+        key = (command, tuple((sp, texts[sp.path]) for sp in spans))
+        if not spans or key in self._repairs_tried:
+            return None
+        self._repairs_tried.add(key)
+        try:
+            proposals = await repair.propose(
+                self.model,  # type: ignore[arg-type]
+                self.model.tokenizer,  # type: ignore[attr-defined]
+                texts,
+                spans,
+            )
+        except ModelError as e:
+            log.warning("session %s: no edits proposed: %s", self.id, e)
+            return None
+        proposed_s = self.clock.now() - t0
+        found = None
+        for p in proposals:
+            passed = await check({p.path: p.after})
+            if passed is None:
+                break
+            runs += 1
+            if passed:
+                found = p
+                break
+        meta = {
+            "command": command,
+            "spans": [[s.path, s.start + 1, s.end] for s in spans],
+            "proposals": len(proposals),
+            "runs": runs,
+            "propose_s": round(proposed_s, 2),
+            "seconds": round(self.clock.now() - t0, 2),
+        }
+        if found is None:
+            output.meta["repair"] = meta
+            log.info("session %s: no proposed edit passed (%s)", self.id, meta)
+            return None
+        return self._repaired(output, calls, held, found, meta)
+
+    def _repaired(
+        self,
+        output: TurnOutput,
+        calls: list[ParsedCall],
+        held: list[ParsedCall],
+        found: repair.Proposal,
+        meta: dict[str, Any],
+    ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]]:
+        """`output` with its first change made `found`'s edit, its other changes left
+        out and the rest of its text (the calls after, a rerun of the test) kept."""
+        text = output.text
+        first = held[0]
+        pieces = [text[: first.start]]
+        pieces.append(
+            specs.render_call(specs.EDIT_FILE, path=found.path, old=found.old, new=found.new)
+        )
+        at = first.end
+        for c in held[1:]:
+            if alternatives.changes(c):
+                pieces.append(text[at : c.start])
+                at = c.end
+        pieces.append(text[at:])
+        new_text = "".join(pieces)
+        new_calls = parse_all(new_text, *specs.parser_rules())
+        repaired = dataclasses.replace(
+            output,
+            text=new_text,
+            # the text is no longer the model's tokens: not a sample to train on
+            completion_token_ids=None,
+            completion_logprobs=None,
+            meta={
+                **output.meta,
+                "repair": {**meta, "gain": round(found.gain, 3), "replaced": text[first.start :]},
+            },
+        )
+        log.info(
+            "session %s: %s passes `%s` with a proposed edit", self.id, found.path, meta["command"]
+        )
+        return repaired, new_calls, [c for c in new_calls if c.index >= first.index]
 
     def _trial(self) -> tuple[str, alternatives.Check] | None:
         """(command, check) that tries a candidate's files against the model's last

@@ -47,6 +47,10 @@ def session_config(
         ),
         emit_deltas=False,
         prompt_style=prompt_style or r.prompt_style,
+        # a rollout trains on the replies as sampled: no reply picked among others, no
+        # edit put in place of the model's
+        fix_samples=1,
+        repair=False,
     )
 
 

@@ -1,0 +1,434 @@
+"""Small edits the model itself proposes, tried against the failing command
+(`SessionConfig.repair`).
+
+A small model rarely writes a fix whole, yet at the token where a bug sits it often
+still gives the right token a fair share of its probability: after `if lo` it finds
+`<=` plausible beside the `<` the code has, after `sum(item.price` it finds `*`
+plausible beside `for`. This module turns that into candidate changes, the way
+masked-language-model program repair does, with a causal model:
+
+1. For the code in focus (the functions the session's change and the failing run's
+   traceback point at, `focus`), one forward pass gives, at every token, the model's
+   likeliest next tokens (`TokenLM.top_tokens`).
+2. Each gives three kinds of edit at that token: put another token in its place, put
+   one before it, or drop it. A first-order gain (log P(new token) - log P(token
+   there)) orders them; the best are continued greedily by the model until its
+   continuation meets the code again (`*` then ` item.quantity`, then ` for`), so an
+   edit may span a few tokens.
+3. Every candidate that still parses is scored exactly on its window of code, as the
+   session's sample-and-rank scores a reply (`alternatives.code_gain`), and the
+   candidates are returned best first.
+
+Nothing here knows a kind of bug: every token proposed is the model's. The session
+tries the candidates against the model's own failing command in trial runs that change
+nothing (`tools.sandbox.run_sandboxed(files=…)`), and keeps the first that passes.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import heapq
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from opencomposer.agent.alternatives import CONTEXT_TOKENS
+
+# Tokens proposed at each position (the top of the model's distribution there).
+TOP_K = 8
+# Edits continued greedily (the best by first-order gain), and how far.
+EXPAND = 32
+EXPAND_TOKENS = 6
+# Candidates scored exactly, and kept, per call of `propose`; the characters of code
+# above a span that condition the exact score (about 250 tokens: a backend that cannot
+# reuse a cached context pays for it once per candidate).
+RESCORE = 48
+RESCORE_CONTEXT_CHARS = 1_000
+# Lines of code in focus at most, summed over the spans.
+FOCUS_LINES = 160
+
+_TEST_FILE = re.compile(
+    r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_tests?\.py$|(^|/)conftest\.py$"
+)
+_TRACE_LINE = re.compile(r'File "([^"]+)", line (\d+)|^([\w./-]+\.py):(\d+):', re.MULTILINE)
+
+
+class Tokens(Protocol):
+    """A model's tokenizer for plain text (`_local.ChatTokenizer`)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Tokens that are not text (the end of a text, chat markers)."""
+        ...
+
+
+class TokenLM(Protocol):
+    """What proposing and scoring edits needs of a model: the top of its next-token
+    distribution at every position of a text, greedy continuations, and log P(text |
+    context) (`alternatives.Score`)."""
+
+    async def top_tokens(
+        self, ids: list[int], first: int, k: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For each position i in [first, len(ids)): (log P(ids[i] | ids[:i]), the k
+        likeliest tokens there as (id, log-probability), likeliest first)."""
+        ...
+
+    async def greedy(
+        self, prefixes: list[list[int]], max_tokens: int, until: list[int]
+    ) -> list[list[int]]:
+        """The greedy continuation of each prefix, `max_tokens` tokens at most, ending
+        with the first `until[i]` it makes (kept)."""
+        ...
+
+    async def logprob(self, context: str, text: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class Span:
+    """Lines [start, end) of a file (0-based), the code in focus."""
+
+    path: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    path: str
+    after: str  # the whole file with the edit made
+    old: str  # the lines the edit changes, as they are
+    new: str  # and as the edit makes them
+    gain: float  # log P(span after) - log P(span now), the code above as context
+
+
+def is_test_file(path: str) -> bool:
+    return bool(_TEST_FILE.search(path.replace("\\", "/")))
+
+
+def enclosing(text: str, line: int, path: str = "") -> tuple[int, int] | None:
+    """The lines [start, end) of the innermost function around 0-based `line` of a Python
+    file (decorators included), else of the statement that holds it (a class's field, a
+    module's constant); None for a blank line, a comment or a line past the end. For a
+    file that is not Python, or does not parse, 8 lines either side."""
+    lines = text.splitlines()
+    if not 0 <= line < len(lines) or not lines[line].strip() or lines[line].lstrip()[:1] == "#":
+        return None
+    if path.endswith(".py") or not path:
+        try:
+            tree: ast.AST | None = ast.parse(text)
+        except (SyntaxError, ValueError):
+            tree = None
+        if tree is not None:
+            inner: tuple[int, int, bool] | None = None
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.stmt):
+                    continue
+                first = node.lineno - 1
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    first = min([first, *(d.lineno - 1 for d in node.decorator_list)])
+                last = node.end_lineno or node.lineno
+                if not first <= line < last:
+                    continue
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    if inner is None or not inner[2] or last - first < inner[1] - inner[0]:
+                        inner = (first, last, True)
+                elif isinstance(node, ast.ClassDef):
+                    continue
+                elif inner is None or (not inner[2] and last - first < inner[1] - inner[0]):
+                    inner = (first, last, False)
+            return (inner[0], inner[1]) if inner is not None else None
+    return max(0, line - 8), min(len(lines), line + 9)
+
+
+def traceback_lines(output: str, root: str) -> list[tuple[str, int]]:
+    """(path relative to `root`, 0-based line) of each frame or `path:line` a command's
+    output names inside the workspace, innermost (last printed) first."""
+    found: list[tuple[str, int]] = []
+    prefix = root.rstrip("/") + "/"
+    for m in _TRACE_LINE.finditer(output):
+        path, line = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+        elif path.startswith("/"):
+            continue  # outside the workspace: the standard library, site-packages
+        found.append((path, int(line) - 1))
+    return found[::-1]
+
+
+def focus(
+    texts: dict[str, str], lines: Iterable[tuple[str, int]], limit: int = FOCUS_LINES
+) -> list[Span]:
+    """The spans to propose edits in: the enclosing function of each (path, line) in
+    order, test files and files not in `texts` left out, each span once, until
+    `limit` lines."""
+    spans: list[Span] = []
+    used = 0
+    for path, line in lines:
+        text = texts.get(path)
+        if text is None or is_test_file(path) or line < 0:
+            continue
+        if any(s.path == path and s.start <= line < s.end for s in spans):
+            continue
+        around = enclosing(text, line, path)
+        if around is None:
+            continue
+        start, end = around
+        if any(s.path == path and s.start < end and start < s.end for s in spans):
+            continue  # it overlaps a span taken (a function around one, a window)
+        if used + (end - start) > limit:
+            continue
+        spans.append(Span(path, start, end))
+        used += end - start
+    return spans
+
+
+@dataclass(frozen=True)
+class _Edit:
+    at: int  # token index in the span's body
+    drop: int  # tokens of the body it replaces (0: an insertion)
+    put: tuple[int, ...]  # tokens it puts there
+    first_order: float
+
+
+def _names(path: str, text: str) -> list[str] | None:
+    """The names a Python file defines (functions, classes, their parameters) in order;
+    None when it does not parse; [] for a file that is not Python. An edit must parse
+    and keep them: renaming what callers use fixes nothing."""
+    if not path.endswith(".py"):
+        return []
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.arg):
+            names.append(node.arg)
+    return names
+
+
+def _changed_lines(before: str, after: str) -> tuple[str, str]:
+    """(old, new): the whole lines that differ between two texts of a file, with lines
+    around them added until `old` occurs once in `before`, so an edit can name it."""
+    a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    lo = 0
+    while lo < min(len(a), len(b)) and a[lo] == b[lo]:
+        lo += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - lo and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    hi_a, hi_b = len(a) - tail, len(b) - tail
+    while True:
+        old = "".join(a[lo:hi_a])
+        if (old.strip() and before.count(old) == 1) or (lo == 0 and hi_a == len(a)):
+            return old, "".join(b[lo:hi_b])
+        if lo > 0:
+            lo -= 1
+        if hi_a < len(a):
+            hi_a, hi_b = hi_a + 1, hi_b + 1
+
+
+async def propose(
+    lm: TokenLM,
+    tok: Tokens,
+    texts: dict[str, str],
+    spans: Sequence[Span],
+    *,
+    k: int = TOP_K,
+    expand: int = EXPAND,
+    rescore: int = RESCORE,
+) -> list[Proposal]:
+    """Candidate edits of `spans` (in the files `texts`), best first by exact gain. The
+    edits of all spans compete for the `expand` continuations and the `rescore` exact
+    scores on their first-order gains."""
+    sites = [s for span in _merged(spans) if (s := _site(tok, texts[span.path], span)) is not None]
+    edits: list[tuple[_Site, _Edit]] = []
+    tops = await asyncio.gather(*(lm.top_tokens(s.prompt, s.offset, k) for s in sites))
+    for site, rows in zip(sites, tops, strict=True):
+        if len(rows) == len(site.ids):
+            edits += [(site, e) for e in _edits(tok, site, rows)]
+    best = heapq.nlargest(max(expand, rescore), edits, key=lambda se: se[1].first_order)
+    grown: list[tuple[_Site, _Edit]] = []
+    for site in sites:
+        # in the order of the code, so a cache of the tokens before each edit serves the next
+        mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
+        grown += [(site, e) for e in await _grow(lm, site.prompt, site.offset, site.ids, mine)]
+    chosen: list[tuple[_Site, str]] = []
+    for site, e in [*grown, *best]:
+        new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
+        if new_body == site.body or (site, new_body) in chosen:
+            continue
+        if _names(site.span.path, site.head + new_body + site.tail) != site.names:
+            continue
+        chosen.append((site, new_body))
+        if len(chosen) >= rescore:
+            break
+    chosen.sort(key=lambda c: (sites.index(c[0]), _common_prefix(c[1], c[0].body)))
+    above = {site: site.head[-RESCORE_CONTEXT_CHARS:] for site in sites}
+    bases = await asyncio.gather(*(lm.logprob(above[site], site.body) for site in sites))
+    gains = await asyncio.gather(*(lm.logprob(above[site], b) for site, b in chosen))
+    out: list[Proposal] = []
+    for (site, new_body), g in zip(chosen, gains, strict=True):
+        gain = g - bases[sites.index(site)]
+        if math.isfinite(gain):
+            after = site.head + new_body + site.tail
+            old, new = _changed_lines(site.text, after)
+            out.append(Proposal(site.span.path, after, old, new, gain))
+    out.sort(key=lambda p: -p.gain)
+    return out
+
+
+def _merged(spans: Sequence[Span], gap: int = 2) -> list[Span]:
+    """The spans with those of a file at most `gap` lines apart made one (the methods of
+    a class read together): one pass of the model reads them, after one context."""
+    out: list[Span] = []
+    for span in sorted(spans, key=lambda s: (s.path, s.start)):
+        last = out[-1] if out else None
+        if last is not None and last.path == span.path and span.start - last.end <= gap:
+            out[-1] = Span(span.path, last.start, max(last.end, span.end))
+        else:
+            out.append(span)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class _Site:
+    """A span's code as the model reads it: the text around it, its tokens, and the
+    tokens of the code above it (at most `CONTEXT_TOKENS`) that condition them."""
+
+    span: Span
+    text: str
+    head: str
+    body: str
+    tail: str
+    ids: list[int]
+    prompt: list[int]  # the code above, then `ids`
+    offset: int  # where `ids` start in `prompt`
+    names: list[str] | None
+
+
+def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
+    lines = text.splitlines(keepends=True)
+    head, body = "".join(lines[: span.start]), "".join(lines[span.start : span.end])
+    if not body.strip():
+        return None
+    ids = tok.encode(body)
+    if tok.decode(ids) != body:
+        return None  # the tokens do not give the text back: edits could not be placed
+    lead = (tok.encode(head)[-CONTEXT_TOKENS:] if head else []) or [tok.bos_id]
+    tail = "".join(lines[span.end :])
+    return _Site(span, text, head, body, tail, ids, lead + ids, len(lead), _names(span.path, text))
+
+
+def _edits(
+    tok: Tokens, site: _Site, rows: list[tuple[float, list[tuple[int, float]]]]
+) -> list[_Edit]:
+    """Every edit of one token the model's top tokens suggest: another token in its
+    place, one before it, or none (it is dropped), with its first-order gain. The
+    tokens of a name the code defines (a function's, a class's, a parameter's) are left
+    as they are: renaming what callers use fixes nothing."""
+    ids = site.ids
+    pieces = [tok.decode([t]) for t in ids]
+    visible = [bool(p.strip()) for p in pieces]
+    python = site.span.path.endswith(".py")
+    fixed = _defined_tokens(site, pieces) if python else set()
+    special = tok.special_ids
+    edits: list[_Edit] = []
+    for j, (here, top) in enumerate(rows):
+        if j in fixed:
+            continue
+        probs = dict(top)
+        for alt, lp in top:
+            if alt == ids[j] or alt in special:
+                continue
+            piece = tok.decode([alt])
+            if not piece.strip() or (python and "#" in piece):
+                continue  # white space alone, or a comment that puts code out of play
+            if visible[j]:
+                edits.append(_Edit(j, 1, (alt,), lp - here))
+            # an insertion keeps the token there, whose odds after it are unknown: taken
+            # as a substitution's, less a nat for the longer code
+            edits.append(_Edit(j, 0, (alt,), lp - here - 1.0))
+        if visible[j] and j + 1 < len(ids) and (nxt := probs.get(ids[j + 1])) is not None:
+            edits.append(_Edit(j, 1, (), nxt - here - rows[j + 1][0]))
+    return edits
+
+
+_DEF_NAME = re.compile(r"\b(?:def|class)\s+(\w+)")
+
+
+def _defined_tokens(site: _Site, pieces: list[str]) -> set[int]:
+    """The indices of the span's tokens that overlap a name its code defines: after
+    `def` or `class`, or a parameter. Empty when the tokens' pieces do not spell the
+    span's code one for one (a character split across tokens)."""
+    if "".join(pieces) != site.body:
+        return set()
+    try:
+        tree = ast.parse(site.text)
+    except (SyntaxError, ValueError):
+        return set()
+    line_starts = [0]
+    for line in site.text.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    lo, hi = len(site.head), len(site.head) + len(site.body)
+    names: list[tuple[int, int]] = []
+    for m in _DEF_NAME.finditer(site.body):
+        names.append((lo + m.start(1), lo + m.end(1)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.end_col_offset is not None:
+            start = line_starts[node.lineno - 1] + node.col_offset
+            if lo <= start < hi:
+                names.append((start, start + len(node.arg)))
+    fixed: set[int] = set()
+    at = lo
+    for j, piece in enumerate(pieces):
+        end = at + len(piece)
+        if any(a < end and at < b for a, b in names):
+            fixed.add(j)
+        at = end
+    return fixed
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+async def _grow(
+    lm: TokenLM, prompt: list[int], offset: int, ids: list[int], edits: list[_Edit]
+) -> list[_Edit]:
+    """Each edit continued greedily until the model's continuation meets the code again
+    (it predicts the token the edit stopped before); an edit whose continuation does
+    not meet it within `EXPAND_TOKENS` is left out, and one that meets it at once is
+    already among the single-token edits."""
+    if not edits:
+        return []
+    prefixes = [prompt[: offset + e.at] + list(e.put) for e in edits]
+    ends = [ids[e.at + e.drop] if e.at + e.drop < len(ids) else -1 for e in edits]
+    conts = await lm.greedy(prefixes, EXPAND_TOKENS + 1, ends)
+    grown = []
+    for e, cont in zip(edits, conts, strict=True):
+        rejoin = e.at + e.drop
+        if rejoin >= len(ids):
+            continue
+        for n, tok in enumerate(cont):
+            if tok == ids[rejoin]:
+                if n:
+                    grown.append(_Edit(e.at, e.drop, (*e.put, *cont[:n]), e.first_order))
+                break
+    return grown

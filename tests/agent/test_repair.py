@@ -1,0 +1,253 @@
+"""Small edits the model proposes, tried against the failing command: where to look
+(`enclosing`, `traceback_lines`, `focus`), the edits a language model proposes
+(`propose`), and a session that makes the edit that passes in place of its own, with a
+test-double model whose predictions come from a character n-gram model of code."""
+
+import math
+from collections import Counter, defaultdict
+
+from opencomposer.agent import repair
+from opencomposer.agent.backends.scripted import ScriptedModel
+from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.tools.workspace import LocalWorkspace
+
+CALC = (
+    '"""Arithmetic."""\n'
+    "\n"
+    "LIMIT = 10\n"
+    "\n"
+    "\n"
+    "class Box:\n"
+    "    size: int = 3\n"
+    "\n"
+    "    def grow(self, n):\n"
+    "        # bigger\n"
+    "        return self.size + n\n"
+    "\n"
+    "\n"
+    "def add(a, b):\n"
+    "    return a - b\n"
+)
+
+
+def test_enclosing_is_the_innermost_function_or_the_statement():
+    assert repair.enclosing(CALC, 14, "calc.py") == (13, 15)  # add, from its def
+    assert repair.enclosing(CALC, 10, "calc.py") == (8, 11)  # the method, not the class
+    assert repair.enclosing(CALC, 6, "calc.py") == (6, 7)  # a class's field
+    assert repair.enclosing(CALC, 2, "calc.py") == (2, 3)  # a module's constant
+    for nothing in (1, 9, 40, -1):  # a blank line, a comment, past the end
+        assert repair.enclosing(CALC, nothing, "calc.py") is None
+    text = "".join(f"line {i}\n" for i in range(30))
+    assert repair.enclosing(text, 20, "notes.txt") == (12, 29)
+
+
+def test_traceback_lines_are_the_workspaces_own_innermost_first(tmp_path):
+    out = (
+        f'  File "{tmp_path}/tests/test_calc.py", line 5, in test_add\n'
+        "    assert add(2, 3) == 5\n"
+        f'  File "{tmp_path}/calc.py", line 15, in add\n'
+        '  File "/usr/lib/python3.11/functools.py", line 3, in wrapper\n'
+        "pkg/mod.py:12: in helper\n"
+    )
+    assert repair.traceback_lines(out, str(tmp_path)) == [
+        ("pkg/mod.py", 11),
+        ("calc.py", 14),
+        ("tests/test_calc.py", 4),
+    ]
+
+
+def test_focus_takes_each_function_once_and_leaves_tests_out():
+    texts = {"calc.py": CALC, "tests/test_calc.py": "def test_add():\n    assert 1\n"}
+    lines = [("tests/test_calc.py", 1), ("calc.py", 14), ("calc.py", 13), ("calc.py", 10)]
+    lines += [("calc.py", 9), ("missing.py", 3), ("calc.py", 6)]
+    assert repair.focus(texts, lines) == [
+        repair.Span("calc.py", 13, 15),
+        repair.Span("calc.py", 8, 11),
+        repair.Span("calc.py", 6, 7),
+    ]
+    assert repair.focus(texts, lines, limit=4) == [
+        repair.Span("calc.py", 13, 15),
+        repair.Span("calc.py", 6, 7),
+    ]
+
+
+class Chars:
+    """A tokenizer whose tokens are characters (id = code point + 1; 0 begins a text)."""
+
+    bos_id = 0
+    special_ids = frozenset({0})
+
+    def encode(self, text):
+        return [ord(c) + 1 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - 1) for i in ids if i > 0)
+
+
+class NGram:
+    """A real language model, if a tiny one: characters after the 5 before them, counted
+    in the code it was given, with add-0.01 smoothing over the characters it has seen."""
+
+    ORDER = 5
+
+    def __init__(self, code):
+        self.tok = Chars()
+        self.counts = defaultdict(Counter)
+        text = "\0" * self.ORDER + code
+        for i in range(self.ORDER, len(text)):
+            for n in range(self.ORDER + 1):
+                self.counts[text[i - n : i]][text[i]] += 1
+        self.vocab = sorted(set(code))
+
+    def dist(self, before):
+        for n in range(self.ORDER, -1, -1):
+            seen = self.counts.get(before[len(before) - n :] if n else "")
+            if seen:
+                total = sum(seen.values()) + 0.01 * len(self.vocab)
+                return {c: math.log((seen[c] + 0.01) / total) for c in self.vocab}
+        raise AssertionError("the empty context is always seen")
+
+    def _text(self, ids):
+        return "\0" * self.ORDER + self.tok.decode(ids)
+
+    async def top_tokens(self, ids, first, k):
+        rows = []
+        for i in range(first, len(ids)):
+            d = self.dist(self._text(ids[:i]))
+            top = sorted(d.items(), key=lambda x: -x[1])[:k]
+            here = d.get(chr(ids[i] - 1), math.log(1e-6))
+            rows.append((here, [(ord(c) + 1, lp) for c, lp in top]))
+        return rows
+
+    async def greedy(self, prefixes, max_tokens, until):
+        outs = []
+        for ids, end in zip(prefixes, until, strict=True):
+            got = []
+            while len(got) < max_tokens:
+                d = self.dist(self._text(ids + got))
+                got.append(ord(max(d, key=d.get)) + 1)
+                if got[-1] == end:
+                    break
+            outs.append(got)
+        return outs
+
+    async def logprob(self, context, text):
+        before = self._text(self.tok.encode(context))
+        total = 0.0
+        for c in text:
+            total += self.dist(before).get(c, math.log(1e-6))
+            before += c
+        return total
+
+
+# What the model has read: code where `<=` follows `if lo` and pairs are multiplied.
+KNOWN = (
+    "def first(lo, hi):\n    if lo <= hi:\n        return lo\n    return hi\n\n"
+    "def last(lo, hi):\n    if lo <= hi:\n        return hi\n    return lo\n\n"
+    "def cost(pairs):\n    return sum(p * q for p, q in pairs)\n\n"
+    "def costs(pairs):\n    return sum(p * q for p, q in pairs)\n\n"
+)
+
+
+async def test_propose_finds_the_edits_the_model_expects():
+    lm = NGram(KNOWN)
+    text = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n"
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, [repair.Span("m.py", 0, 4)])
+    assert got, "no proposal"
+    best = got[0]
+    assert best.after == text.replace("lo < hi", "lo <= hi")
+    assert (best.old, best.new) == ("    if lo < hi:\n", "    if lo <= hi:\n")
+    assert best.gain > 0 and all(a.gain >= b.gain for a, b in zip(got[:-1], got[1:], strict=True))
+    for p in got:  # every proposal parses and keeps the names it defines
+        assert p.after != text and "def pick(lo, hi):" in p.after
+        compile(p.after, "m.py", "exec")
+    # an insertion of several tokens, continued until the model meets the code again
+    text = "def total(pairs):\n    return sum(p for p, q in pairs)\n"
+    got = await repair.propose(lm, lm.tok, {"t.py": text}, [repair.Span("t.py", 0, 2)])
+    fixed = text.replace("sum(p for", "sum(p * q for")
+    assert fixed in [p.after for p in got]
+
+
+async def test_an_old_that_occurs_twice_takes_the_lines_around_it():
+    lm = NGram(KNOWN)
+    text = "def a(lo, hi):\n    if lo < hi:\n        return lo\n    if lo < hi:\n        return 0\n"
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, [repair.Span("m.py", 0, 5)])
+    for p in got:
+        assert text.count(p.old) == 1 and p.after == text.replace(p.old, p.new)
+
+
+class Repairing(ScriptedModel):
+    """Scripted turns, with an n-gram model's predictions for the repair."""
+
+    def __init__(self, turns, code):
+        super().__init__(turns)
+        self.lm = NGram(code)
+        self.tokenizer = self.lm.tok
+
+    async def top_tokens(self, ids, first, k):
+        return await self.lm.top_tokens(ids, first, k)
+
+    async def greedy(self, prefixes, max_tokens, until):
+        return await self.lm.greedy(prefixes, max_tokens, until)
+
+    async def logprob(self, context, text):
+        return await self.lm.logprob(context, text)
+
+
+PICK = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return 0\n"
+CHECK = "python3 -c 'import m; assert m.pick(2, 2) == 2 and m.pick(3, 1) == 0'"
+
+
+def run(command):
+    return f"<run_terminal><command>{command}</command></run_terminal>"
+
+
+def edit(old, new, path="m.py"):
+    return f'<edit_file path="{path}">\n<old>{old}</old>\n<new>{new}</new>\n</edit_file>'
+
+
+async def test_a_change_that_fails_the_check_is_replaced_by_an_edit_that_passes(repo, store):
+    """The model reproduced the failure and sends a wrong change with a rerun: the
+    change fails the check in a trial run, the model's own proposed edit passes it, so
+    that edit is made, the rerun kept, and the trace says what was replaced."""
+    (repo / "m.py").write_text(PICK)
+    wrong = edit("        return lo", "        return hi")
+    model = Repairing(
+        ["Reproducing.\n" + run(CHECK), "The fix.\n" + wrong + "\n" + run(CHECK), "Fixed."],
+        KNOWN,
+    )
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    assert result.status == "completed"
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    turn = result.turns[1]
+    assert [c.name for c in turn.calls] == ["edit_file", "run_terminal"]
+    assert turn.calls[0].args["new"] == "    if lo <= hi:\n"
+    assert turn.calls[1].result.meta["exit_code"] == 0  # the rerun, kept, passes
+    meta = turn.output.meta["repair"]
+    assert meta["command"] == CHECK and meta["runs"] >= 2 and wrong in meta["replaced"]
+    assert turn.output.completion_token_ids is None  # not the model's tokens: no sample
+    assert store.export(result.session_id)["turns"][1]["meta"]["repair"]["runs"] == meta["runs"]
+    assert not list(repo.rglob("__pycache__"))  # the trial runs wrote nothing
+
+
+async def test_no_repair_when_the_change_passes_or_repair_is_off(repo):
+    right = edit("    if lo < hi:", "    if not lo > hi:")
+    for cfg, change, after in (
+        (SessionConfig(approve="all", repair=True), right, "    if not lo > hi:"),
+        (SessionConfig(approve="all"), edit("        return lo", "        return hi"), None),
+        (
+            SessionConfig(approve="all", repair=True, verify_s=0),
+            edit("    return 0", "    return 1"),
+            None,
+        ),
+    ):
+        (repo / "m.py").write_text(PICK)
+        model = Repairing([run(CHECK), change, "Done."], KNOWN)
+        result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+        text = (repo / "m.py").read_text()
+        assert "lo <= hi" not in text, cfg
+        if after:
+            assert after in text
+        assert "repair" not in result.turns[1].output.meta, cfg
