@@ -87,10 +87,20 @@ def _phases(run: Path, upto: int | None = None) -> dict[str, Any]:
     }
 
 
-def _settings(src: Path, run: Path) -> dict[str, Any]:
+# Settings of how sessions use the shipped policy, not of its training: a new policy
+# shipped in the same place keeps them (`agent/repair.py`, `agent/alternatives.py`).
+SESSION_SETTINGS = ("repair", "fix_samples")
+
+
+def _settings(src: Path, run: Path, dest: Path | None = None) -> dict[str, Any]:
     """The model settings the policy ships with: the checkpoint's (its prompt style, its
-    turn budget), the budget read from the run's config where the checkpoint predates it."""
+    turn budget), the budget read from the run's config where the checkpoint predates it,
+    and the session settings (`SESSION_SETTINGS`) of the policy shipped in `dest`."""
     settings = {k: v for k, v in read_model_settings(src).items() if k != "init"}
+    shipped = read_model_settings(dest) if dest is not None else {}
+    for key in SESSION_SETTINGS:
+        if key in shipped and key not in settings:
+            settings[key] = shipped[key]
     rollout = _read_config(run / "config.json").get("rollout")
     turns = rollout.get("max_turns") if isinstance(rollout, dict) else None
     if "max_turns" not in settings and isinstance(turns, int) and turns > 0:
@@ -275,7 +285,7 @@ def ship(
         dest.mkdir(parents=True, exist_ok=True)
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
             shutil.copyfile(adapter / name, dest / name)
-    settings = _settings(src, run)
+    settings = _settings(src, run, dest)
     write_model_settings(dest, settings)
     card: dict[str, Any] = {
         "model": "smollm2",

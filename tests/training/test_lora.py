@@ -423,7 +423,11 @@ def test_the_shipped_policy_carries_its_turn_budget_into_the_embedded_folder(tmp
     import json
 
     from opencomposer.agent.backends import smollm2
-    from opencomposer.agent.backends._local import read_prompt_style, read_turn_budget
+    from opencomposer.agent.backends._local import (
+        read_prompt_style,
+        read_repair,
+        read_turn_budget,
+    )
     from opencomposer.training.ship import ship
     from safetensors.torch import save_file
 
@@ -462,3 +466,13 @@ def test_the_shipped_policy_carries_its_turn_budget_into_the_embedded_folder(tmp
     assert ship(tmp_path / "old", dest=dest)["settings"]["max_turns"] == 6
     assert smollm2.smollm2_path() != folder  # new settings: merged anew
     assert read_turn_budget(smollm2.smollm2_path()) == 6
+
+    # how sessions use the shipped policy carries over to the next one shipped there
+    settings = json.loads((dest / "opencomposer.json").read_text())
+    (dest / "opencomposer.json").write_text(json.dumps({**settings, "repair": True}))
+    assert ship(tmp_path / "run", dest=dest)["settings"] == {
+        "prompt_style": "compact",
+        "max_turns": 8,
+        "repair": True,
+    }
+    assert read_repair(smollm2.smollm2_path())
