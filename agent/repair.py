@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from opencomposer.agent.alternatives import CONTEXT_TOKENS
+from opencomposer.agent.text import common_ends
 
 # Tokens proposed at each position (the top of the model's distribution there).
 TOP_K = 8
@@ -224,12 +225,7 @@ def _changed_lines(before: str, after: str) -> tuple[str, str]:
     """(old, new): the whole lines that differ between two texts of a file, with lines
     around them added until `old` occurs once in `before`, so an edit can name it."""
     a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
-    lo = 0
-    while lo < min(len(a), len(b)) and a[lo] == b[lo]:
-        lo += 1
-    tail = 0
-    while tail < min(len(a), len(b)) - lo and a[-1 - tail] == b[-1 - tail]:
-        tail += 1
+    lo, tail = common_ends(a, b)
     hi_a, hi_b = len(a) - tail, len(b) - tail
     while True:
         old = "".join(a[lo:hi_a])
@@ -276,7 +272,7 @@ async def propose(
         chosen.append((site, new_body))
         if len(chosen) >= rescore:
             break
-    chosen.sort(key=lambda c: (sites.index(c[0]), _common_prefix(c[1], c[0].body)))
+    chosen.sort(key=lambda c: (sites.index(c[0]), common_ends(c[1], c[0].body)[0]))
     above = {site: site.head[-RESCORE_CONTEXT_CHARS:] for site in sites}
     bases = await asyncio.gather(*(lm.logprob(above[site], site.body) for site in sites))
     gains = await asyncio.gather(*(lm.logprob(above[site], b) for site, b in chosen))
@@ -400,13 +396,6 @@ def _defined_tokens(site: _Site, pieces: list[str]) -> set[int]:
             fixed.add(j)
         at = end
     return fixed
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 async def _grow(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -45,3 +45,16 @@ def reveal(text: str) -> Iterator[tuple[str, bool]]:
 def revealed(text: str) -> str:
     """`reveal` as one string."""
     return "".join(piece for piece, _ in reveal(text))
+
+
+def common_ends(a: Sequence[object], b: Sequence[object]) -> tuple[int, int]:
+    """(head, tail): how many items `a` and `b` share at their start, and then at their
+    end in what is left (two texts' characters or lines: where they differ)."""
+    most = min(len(a), len(b))
+    head = 0
+    while head < most and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < most - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return head, tail

@@ -26,6 +26,7 @@ from difflib import SequenceMatcher
 from pathlib import Path
 
 from lsprotocol import types as lsp
+from opencomposer.agent.text import common_ends
 from opencomposer.tools.protocols import ToolError
 from opencomposer.tools.workspace import LocalWorkspace
 
@@ -65,12 +66,7 @@ def line_edits(
 ) -> list[lsp.TextEdit]:
     """Whole-line `TextEdit`s that turn `old` into `new` (ranges refer to `old`)."""
     a, b = split_lines(old), split_lines(new)
-    head = 0
-    while head < min(len(a), len(b)) and a[head] == b[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
-        tail += 1
+    head, tail = common_ends(a, b)
     a_mid, b_mid = a[head : len(a) - tail], b[head : len(b) - tail]
     ops: Sequence[tuple[str, int, int, int, int]]
     if max(len(a_mid), len(b_mid)) > _DIFF_LIMIT:
