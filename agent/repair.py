@@ -15,9 +15,9 @@ masked-language-model program repair does, with a causal model:
    there)) orders them; the best are continued greedily by the model until its
    continuation meets the code again (`*` then ` item.quantity`, then ` for`), so an
    edit may span a few tokens.
-3. Every candidate that still parses is scored exactly on its window of code, as the
-   session's sample-and-rank scores a reply (`alternatives.code_gain`), and the
-   candidates are returned best first.
+3. Every candidate that still parses and keeps the names the file defines is scored
+   exactly on its window of code, as the session's sample-and-rank scores a reply
+   (`alternatives.code_gain`), and the candidates are returned best first.
 
 Nothing here knows a kind of bug: every token proposed is the model's. The session
 tries the candidates against the model's own failing command in trial runs that change
