@@ -31,6 +31,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from opencomposer.agent.text import common_ends
 from opencomposer.agent.xmlcalls import ParsedCall
 from opencomposer.tools import specs
 from opencomposer.tools.files import apply_edit
@@ -86,12 +87,7 @@ def preview(ws: Workspace, calls: Sequence[ParsedCall]) -> dict[str, tuple[str, 
 def window(before: str, after: str) -> tuple[int, int]:
     """(start, tail): the scored window of both texts is `text[start:len(text) - tail]`:
     the changed span with `AROUND_CHARS` on either side, starting at a line."""
-    lo, most = 0, min(len(before), len(after))
-    while lo < most and before[lo] == after[lo]:
-        lo += 1
-    tail = 0
-    while tail < most - lo and before[-1 - tail] == after[-1 - tail]:
-        tail += 1
+    lo, tail = common_ends(before, after)
     start = before.rfind("\n", 0, max(0, lo - AROUND_CHARS)) + 1
     return start, max(0, tail - AROUND_CHARS)
 

@@ -182,14 +182,8 @@ class LlamaCppModel:
     ) -> float:
         """As `VLLMModel.logprob`, on this engine: the scored tokens ask for logits, the
         context reuses what the cache holds (`_Engine.score`)."""
-        await self.start()
         ids, first = self.tokenizer.scored_ids(context, text, context_tokens)
-        check_fits(len(ids), self.context_window)
-        async with self._lock:
-            engine = self._engine
-            if engine is None:
-                raise ModelError("the llama.cpp engine was closed")
-            return await asyncio.to_thread(engine.score, ids, first)
+        return float(await self._on_engine(lambda engine: engine.score(ids, first), len(ids)))
 
     async def top_tokens(
         self, ids: list[int], first: int, k: int
@@ -355,26 +349,12 @@ class _Engine:
         for logits over the vocabulary."""
         import numpy as np
 
-        def logprob(rows: Any, targets: list[int]) -> float:
+        total = 0.0
+        for rows, targets in self._rows(ids, first):
             picked = np.asarray(rows, dtype=np.float64)
             top = picked.max(axis=1, keepdims=True)
             lse = top[:, 0] + np.log(np.exp(picked - top).sum(axis=1))
-            return float((picked[np.arange(len(targets)), targets] - lse).sum())
-
-        if not 0 < first < len(ids):
-            return 0.0
-        try:
-            common = min(_common_prefix(self.cached, ids), first - 1)
-            self._truncate(common)
-            # the context up to the first scored token: the last row predicts it
-            total = logprob(self._decode(ids[common:first], all_logits=False), [ids[first]])
-            for i in range(first, len(ids) - 1, 512):  # then each token of the rest
-                chunk = ids[i : min(i + 512, len(ids) - 1)]
-                rows = self._decode(chunk, all_logits=True)
-                total += logprob(rows, ids[i + 1 : i + 1 + len(chunk)])
-        except BaseException:
-            self.reset()  # what the cache holds is no longer known
-            raise
+            total += float((picked[np.arange(len(targets)), targets] - lse).sum())
         return total
 
     def top(
@@ -384,32 +364,34 @@ class _Engine:
         `k` likeliest tokens there with theirs), as `score` reads the cache."""
         import numpy as np
 
-        def rows_of(logits: Any, targets: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
-            rows = np.asarray(logits, dtype=np.float64)
-            top = rows.max(axis=1, keepdims=True)
-            logp = rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
+        found = []
+        for rows, targets in self._rows(ids, first):
+            logits = np.asarray(rows, dtype=np.float64)
+            top = logits.max(axis=1, keepdims=True)
+            logp = logits - (top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True)))
             best = np.argpartition(-logp, k, axis=1)[:, :k]
-            out = []
             for r, target in enumerate(targets):
                 order = best[r][np.argsort(-logp[r, best[r]])]
-                out.append((float(logp[r, target]), [(int(t), float(logp[r, t])) for t in order]))
-            return out
+                found.append((float(logp[r, target]), [(int(t), float(logp[r, t])) for t in order]))
+        return found
 
+    def _rows(self, ids: list[int], first: int) -> Iterator[tuple[Any, list[int]]]:
+        """(logit rows, the ids they predict) for `ids[first:]`, a chunk at a time: the
+        context up to `ids[first]` reuses what the cache shares with it, its last row
+        predicts `ids[first]`, then every row of the rest. Nothing when `first` is out
+        of range."""
         if not 0 < first < len(ids):
-            return []
+            return
         try:
             common = min(_common_prefix(self.cached, ids), first - 1)
             self._truncate(common)
-            found = rows_of(self._decode(ids[common:first], all_logits=False), [ids[first]])
+            yield self._decode(ids[common:first], all_logits=False), [ids[first]]
             for i in range(first, len(ids) - 1, 512):
                 chunk = ids[i : min(i + 512, len(ids) - 1)]
-                found += rows_of(
-                    self._decode(chunk, all_logits=True), ids[i + 1 : i + 1 + len(chunk)]
-                )
+                yield self._decode(chunk, all_logits=True), ids[i + 1 : i + 1 + len(chunk)]
         except BaseException:
-            self.reset()
+            self.reset()  # what the cache holds is no longer known
             raise
-        return found
 
     def greedy(self, prefix: list[int], max_tokens: int, until: int) -> list[int]:
         """The greedy continuation of `prefix`, `max_tokens` at most, up to a stop token

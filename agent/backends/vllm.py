@@ -353,18 +353,8 @@ class VLLMModel:
     ) -> float:
         """log P(`text` | the last `context_tokens` tokens of `context`), both plain text
         (no chat template): how likely the model finds a piece of code where it stands."""
-        from vllm import SamplingParams
-
-        await self.start()
         ids, first = self.tokenizer.scored_ids(context, text, context_tokens)
-        check_fits(len(ids) + 1, self.context_window)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        final: Any = None
-        async for result in self._engine.generate(
-            {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
-        ):
-            final = result
-        scored = (final.prompt_logprobs or []) if final is not None else []
+        scored = await self._prompt_logprobs(ids, 0)
         return float(
             sum(scored[i][ids[i]].logprob for i in range(first, len(ids)) if scored[i] is not None)
         )
@@ -373,6 +363,18 @@ class VLLMModel:
         self, ids: list[int], first: int, k: int
     ) -> list[tuple[float, list[tuple[int, float]]]]:
         """`repair.TokenLM.top_tokens`: the prompt's own logprobs, `k` per position."""
+        scored = await self._prompt_logprobs(ids, k)
+        rows = []
+        for i in range(first, min(len(ids), len(scored))):
+            got = scored[i] or {}
+            here = got.get(ids[i])
+            top = sorted(((t, lp.logprob) for t, lp in got.items()), key=lambda x: -x[1])[:k]
+            rows.append((here.logprob if here is not None else -math.inf, top))
+        return rows
+
+    async def _prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
+        """vLLM's prompt logprobs of `ids`: per position None (the first) or {token id:
+        Logprob} holding the token there and the `k` likeliest."""
         from vllm import SamplingParams
 
         await self.start()
@@ -383,14 +385,7 @@ class VLLMModel:
             {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
         ):
             final = result
-        scored = (final.prompt_logprobs or []) if final is not None else []
-        rows = []
-        for i in range(first, min(len(ids), len(scored))):
-            got = scored[i] or {}
-            here = got.get(ids[i])
-            top = sorted(((t, lp.logprob) for t, lp in got.items()), key=lambda x: -x[1])[:k]
-            rows.append((here.logprob if here is not None else -math.inf, top))
-        return rows
+        return list(final.prompt_logprobs or []) if final is not None else []
 
     async def greedy(
         self, prefixes: list[list[int]], max_tokens: int, until: list[int]
