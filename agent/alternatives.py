@@ -170,23 +170,32 @@ async def first_passing(ws: Workspace, ranked: Ranked, check: Check) -> Tried:
     """The first candidate of `rank`'s, in the order of its gains (highest first, the
     earliest on a tie), whose files pass `check`; candidates that cannot apply or that create a file
     (a trial run replaces files, it adds none) are not tried, and those that leave the
-    files alike are tried once. Stops at the first `check` that could not be tried:
-    later ones would fare no better."""
+    files alike are tried once (`first_that_passes`)."""
     gains = ranked.gains
     order = sorted(
         (i for i in range(len(gains)) if math.isfinite(gains[i])), key=lambda i: (-gains[i], i)
     )
     seen: set[tuple[tuple[str, str], ...]] = set()
-    runs = 0
+    tried: list[tuple[int, dict[str, str]]] = []
     for i in order:
         changed = ranked.changed[i]
         if not changed or not all(ws.exists(path) for path in changed):
             continue
         files = {path: after for path, (_, after) in changed.items()}
         key = tuple(sorted(files.items()))
-        if key in seen:
-            continue
-        seen.add(key)
+        if key not in seen:
+            seen.add(key)
+            tried.append((i, files))
+    got = await first_that_passes([files for _, files in tried], check)
+    return Tried(index=None if got.index is None else tried[got.index][0], runs=got.runs)
+
+
+async def first_that_passes(candidates: Sequence[dict[str, str]], check: Check) -> Tried:
+    """The index of the first of `candidates` (the files each puts in place) that passes
+    `check`, in order, and the runs made. Stops at the first `check` that could not be
+    tried: later ones would fare no better."""
+    runs = 0
+    for i, files in enumerate(candidates):
         passed = await check(files)
         if passed is None:
             break

@@ -746,15 +746,9 @@ class Session:
             log.warning("session %s: no edits proposed: %s", self.id, e)
             return None
         proposed_s = self.clock.now() - t0
-        found = None
-        for p in proposals:
-            passed = await check({p.path: p.after})
-            if passed is None:
-                break
-            runs += 1
-            if passed:
-                found = p
-                break
+        tried = await alternatives.first_that_passes([{p.path: p.after} for p in proposals], check)
+        runs += tried.runs
+        found = None if tried.index is None else proposals[tried.index]
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
