@@ -322,18 +322,12 @@ def _repair_lines(
             lines += [(p, n) for p, n in repair.traceback_lines(out, root)[::-1]]
         elif c.name == specs.READ_FILE and c.result and c.result.status == "ok":
             path = rel(str(c.args.get("path", "")))
-            start = _int(c.args.get("start_line"), 1)
-            end = _int(c.args.get("end_line"), start + out.count("\n"))
+            # a read that ran has its arguments validated: the lines are ints or absent
+            start = int(c.args.get("start_line") or 1)
+            end = int(c.args.get("end_line") or start + out.count("\n"))
             if path:
                 lines += [(path, n) for n in range(max(0, start - 1), max(start, end))]
     return lines
-
-
-def _int(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
 
 
 def _first_error(calls: list[tuple[str, str, str]]) -> str:
