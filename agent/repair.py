@@ -10,12 +10,15 @@ masked-language-model program repair does, with a causal model:
 1. For the code in focus (the functions the session's change and the failing run's
    traceback point at, `focus`), one forward pass gives, at every token, the model's
    likeliest next tokens (`TokenLM.top_tokens`).
-2. Each gives three kinds of edit at that token: put another token in its place, put
-   one before it, or drop it. A first-order gain (log P(new token) - log P(token
-   there)) orders them; the best are continued greedily by the model until its
-   continuation meets the code again (`*` then ` item.quantity`, then ` for`), so an
-   edit may span a few tokens.
-3. Every candidate that still parses and keeps the names the file defines is scored
+2. Each gives three kinds of edit at that token (comments, docstrings and the names
+   the code defines left alone): put another token in its place, put one before it,
+   or drop it. A first-order gain (log P(new token) - log P(token there)) orders them;
+   the best are continued greedily by the model to the end of their line, which gives
+   an edit up to where the continuation meets the code again (`*` then
+   ` item.quantity`, then ` for`) and one that writes the rest of the line anew (`a`
+   in place of `b` in `f(b, a)`, then `, b)`).
+3. Every candidate that still parses, keeps the names the file defines and changes
+   what the code does (not its comments, layout or docstrings alone) is scored
    exactly on its window of code, as the session's sample-and-rank scores a reply
    (`alternatives.code_gain`), and the candidates are returned best first.
 
@@ -29,8 +32,10 @@ from __future__ import annotations
 import ast
 import asyncio
 import heapq
+import io
 import math
 import re
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,9 +45,10 @@ from opencomposer.agent.text import common_ends
 
 # Tokens proposed at each position (the top of the model's distribution there).
 TOP_K = 8
-# Edits continued greedily (the best by first-order gain), and how far.
+# Edits continued greedily (the best by first-order gain), and how far: to where the
+# model meets the code again, or to the end of the edit's line.
 EXPAND = 32
-EXPAND_TOKENS = 6
+EXPAND_TOKENS = 16
 # Candidates scored exactly, and kept, per call of `propose`; the characters of code
 # above a span that condition the exact score (about 250 tokens: a backend that cannot
 # reuse a cached context pays for it once per candidate).
@@ -202,12 +208,14 @@ class _Edit:
     first_order: float
 
 
-def _names(path: str, text: str) -> list[str] | None:
-    """The names a Python file defines (functions, classes, their parameters) in order;
-    None when it does not parse; [] for a file that is not Python. An edit must parse
-    and keep them: renaming what callers use fixes nothing."""
+def _shape(path: str, text: str) -> tuple[list[str], str] | None:
+    """(the names a Python file defines: functions, classes, their parameters, in order;
+    what it does: its syntax tree without docstrings), None when it does not parse; for
+    a file that is not Python ([], its text). An edit must parse and keep the names
+    (renaming what callers use fixes nothing) and change what the file does (comments,
+    layout and docstrings cannot fix a failing run)."""
     if not path.endswith(".py"):
-        return []
+        return [], text
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -216,9 +224,27 @@ def _names(path: str, text: str) -> list[str] | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.append(node.name)
+            _drop_docstring(node)
+        elif isinstance(node, ast.Module):
+            _drop_docstring(node)
         elif isinstance(node, ast.arg):
             names.append(node.arg)
-    return names
+    return names, ast.dump(tree)
+
+
+def _drop_docstring(
+    node: ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef,
+) -> None:
+    if node.body and _is_docstring(node.body[0]):
+        node.body[0] = ast.Pass()
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    )
 
 
 def _changed_lines(before: str, after: str) -> tuple[str, str]:
@@ -261,14 +287,18 @@ async def propose(
     for site in sites:
         # in the order of the code, so a cache of the tokens before each edit serves the next
         mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
-        grown += [(site, e) for e in await _grow(lm, site.prompt, site.offset, site.ids, mine)]
+        grown += [(site, e) for e in await _grow(lm, tok, site, mine)]
     chosen: list[tuple[_Site, str]] = []
-    for site, e in [*grown, *best]:
+    # best first by first-order gain, an edit's continuations before it
+    for site, e in sorted([*grown, *best], key=lambda se: -se[1].first_order):
         new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
         if new_body == site.body or (site, new_body) in chosen:
             continue
-        if _names(site.span.path, site.head + new_body + site.tail) != site.names:
-            continue
+        shape = _shape(site.span.path, site.head + new_body + site.tail)
+        if shape is None or site.shape is None or shape[0] != site.shape[0]:
+            continue  # it does not parse, or renames what the file defines
+        if shape[1] == site.shape[1]:
+            continue  # a comment, a docstring or the layout: the code does the same
         chosen.append((site, new_body))
         if len(chosen) >= rescore:
             break
@@ -311,9 +341,11 @@ class _Site:
     body: str
     tail: str
     ids: list[int]
+    pieces: list[str]  # the text of each of `ids`
+    kept: frozenset[int]  # the indices of `ids` no edit touches (`_kept_tokens`)
     prompt: list[int]  # the code above, then `ids`
     offset: int  # where `ids` start in `prompt`
-    names: list[str] | None
+    shape: tuple[list[str], str] | None  # `_shape` of `text`
 
 
 def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
@@ -326,7 +358,10 @@ def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
         return None  # the tokens do not give the text back: edits could not be placed
     lead = (tok.encode(head)[-CONTEXT_TOKENS:] if head else []) or [tok.bos_id]
     tail = "".join(lines[span.end :])
-    return _Site(span, text, head, body, tail, ids, lead + ids, len(lead), _names(span.path, text))
+    pieces = [tok.decode([t]) for t in ids]
+    kept = _kept_tokens(text, len(head), pieces) if span.path.endswith(".py") else frozenset()
+    shape = _shape(span.path, text)
+    return _Site(span, text, head, body, tail, ids, pieces, kept, lead + ids, len(lead), shape)
 
 
 def _edits(
@@ -335,16 +370,15 @@ def _edits(
     """Every edit of one token the model's top tokens suggest: another token in its
     place, one before it, or none (it is dropped), with its first-order gain. The
     tokens of a name the code defines (a function's, a class's, a parameter's) are left
-    as they are: renaming what callers use fixes nothing."""
-    ids = site.ids
-    pieces = [tok.decode([t]) for t in ids]
+    as they are, since renaming what callers use fixes nothing, and so are comments and
+    docstrings (`_kept_tokens`)."""
+    ids, pieces = site.ids, site.pieces
     visible = [bool(p.strip()) for p in pieces]
     python = site.span.path.endswith(".py")
-    fixed = _defined_tokens(site, pieces) if python else set()
     special = tok.special_ids
     edits: list[_Edit] = []
     for j, (here, top) in enumerate(rows):
-        if j in fixed:
+        if j in site.kept:
             continue
         probs = dict(top)
         for alt, lp in top:
@@ -366,58 +400,102 @@ def _edits(
 _DEF_NAME = re.compile(r"\b(?:def|class)\s+(\w+)")
 
 
-def _defined_tokens(site: _Site, pieces: list[str]) -> set[int]:
-    """The indices of the span's tokens that overlap a name its code defines: after
-    `def` or `class`, or a parameter. Empty when the tokens' pieces do not spell the
-    span's code one for one (a character split across tokens)."""
-    if "".join(pieces) != site.body:
-        return set()
+def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
+    """The indices of the tokens (`pieces`, the code of `text` from offset `lo`) no edit
+    may touch: those that overlap a name the code defines (after `def` or `class`, or a
+    parameter), and those whose text lies in a comment or a docstring, where an edit
+    changes nothing the code does. Empty for a file that does not parse."""
+    body = "".join(pieces)
+    if text[lo : lo + len(body)] != body:
+        return frozenset()
     try:
-        tree = ast.parse(site.text)
+        tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return set()
+        return frozenset()
     line_starts = [0]
-    for line in site.text.splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         line_starts.append(line_starts[-1] + len(line))
-    lo, hi = len(site.head), len(site.head) + len(site.body)
+
+    def at(line: int, col: int) -> int:
+        return line_starts[line - 1] + col
+
+    hi = lo + len(body)
     names: list[tuple[int, int]] = []
-    for m in _DEF_NAME.finditer(site.body):
+    for m in _DEF_NAME.finditer(body):
         names.append((lo + m.start(1), lo + m.end(1)))
+    inert: list[tuple[int, int]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.arg) and node.end_col_offset is not None:
-            start = line_starts[node.lineno - 1] + node.col_offset
+            start = at(node.lineno, node.col_offset)
             if lo <= start < hi:
                 names.append((start, start + len(node.arg)))
-    fixed: set[int] = set()
-    at = lo
+        elif isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            doc = node.body[0] if node.body else None
+            if doc is not None and _is_docstring(doc) and doc.end_lineno is not None:
+                inert.append((at(doc.lineno, doc.col_offset), at(doc.end_lineno, doc.end_col_offset or 0)))  # fmt: skip
+    try:
+        for t in tokenize.generate_tokens(io.StringIO(text).readline):
+            if t.type == tokenize.COMMENT:
+                inert.append((at(*t.start), at(*t.end)))
+    except (tokenize.TokenError, SyntaxError):
+        pass  # the comments already read are kept
+    kept: set[int] = set()
+    start = lo
     for j, piece in enumerate(pieces):
-        end = at + len(piece)
-        if any(a < end and at < b for a, b in names):
-            fixed.add(j)
-        at = end
-    return fixed
+        end = start + len(piece)
+        if any(a < end and start < b for a, b in names):
+            kept.add(j)
+        elif piece.strip():
+            first = start + len(piece) - len(piece.lstrip())
+            last = start + len(piece.rstrip())
+            if any(a <= first and last <= b for a, b in inert):
+                kept.add(j)
+        start = end
+    return frozenset(kept)
 
 
-async def _grow(
-    lm: TokenLM, prompt: list[int], offset: int, ids: list[int], edits: list[_Edit]
-) -> list[_Edit]:
-    """Each edit continued greedily until the model's continuation meets the code again
-    (it predicts the token the edit stopped before); an edit whose continuation does
-    not meet it within `EXPAND_TOKENS` is left out, and one that meets it at once is
-    already among the single-token edits."""
-    if not edits:
+async def _grow(lm: TokenLM, tok: Tokens, site: _Site, edits: list[_Edit]) -> list[_Edit]:
+    """Each edit continued greedily to the end of its line (`EXPAND_TOKENS` at most),
+    which gives up to two edits: the continuation up to where it meets the code again
+    (it predicts the token the edit stopped before; one that meets it at once is
+    already among the single-token edits), and the continuation in place of the rest
+    of the line (`f(b, a)` for `f(a, b)`: the model goes on writing the line it began
+    anew)."""
+    ids, pieces = site.ids, site.pieces
+    todo = [e for e in edits if e.at + e.drop < len(ids)]
+    if not todo:
         return []
-    prefixes = [prompt[: offset + e.at] + list(e.put) for e in edits]
-    ends = [ids[e.at + e.drop] if e.at + e.drop < len(ids) else -1 for e in edits]
+    # where the code of each edit's line ends: its line break, or a comment after it
+    eol = []
+    for e in todo:
+        r = e.at + e.drop
+        while r < len(ids) and "\n" not in pieces[r] and not _comment(site, r):
+            r += 1
+        ends_line = r < len(ids) and (pieces[r].startswith("\n") or _comment(site, r))
+        eol.append(r if ends_line else -1)
+    prefixes = [site.prompt[: site.offset + e.at] + list(e.put) for e in todo]
+    ends = [ids[r] if r >= 0 else ids[e.at + e.drop] for e, r in zip(todo, eol, strict=True)]
     conts = await lm.greedy(prefixes, EXPAND_TOKENS + 1, ends)
     grown = []
-    for e, cont in zip(edits, conts, strict=True):
-        rejoin = e.at + e.drop
-        if rejoin >= len(ids):
-            continue
-        for n, tok in enumerate(cont):
-            if tok == ids[rejoin]:
+    for e, r, cont in zip(todo, eol, conts, strict=True):
+        rejoin = ids[e.at + e.drop]
+        met = False
+        for n, t in enumerate(cont):
+            piece = tok.decode([t])
+            if t == rejoin and not met:
+                met = True
                 if n:
                     grown.append(_Edit(e.at, e.drop, (*e.put, *cont[:n]), e.first_order))
+                if r < 0 or r == e.at + e.drop:
+                    break
+            elif piece.lstrip(" ").startswith(("\n", "#")):  # the line's code, written anew
+                if r >= 0:
+                    grown.append(_Edit(e.at, r - e.at, (*e.put, *cont[:n]), e.first_order))
+                break
+            elif "\n" in piece:
                 break
     return grown
+
+
+def _comment(site: _Site, j: int) -> bool:
+    return j in site.kept and site.pieces[j].lstrip().startswith("#")

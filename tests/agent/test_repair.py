@@ -168,6 +168,28 @@ async def test_propose_finds_the_edits_the_model_expects():
     assert fixed in [p.after for p in got]
 
 
+async def test_the_model_may_write_the_rest_of_a_line_anew():
+    # `ratio(b, a)` for `ratio(a, b)`: no one-token edit undoes a swap, but after `a` in
+    # place of `b` the model writes `, b)` to the end of the line
+    lm = NGram("def f(a, b):\n    return ratio(a, b)\n\n" * 3)
+    text = "def g(a, b):\n    return ratio(b, a)\n"
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, [repair.Span("m.py", 0, 2)])
+    assert text.replace("ratio(b, a)", "ratio(a, b)") in [p.after for p in got]
+
+
+async def test_comments_and_docstrings_are_not_edited():
+    # the model knows the comment and docstring as written elsewhere, so editing them
+    # would look likely; they change nothing the code does, so they are not proposed
+    known = 'def f(a, b):\n    """Add them."""\n    return a + b  # the sum\n\n' * 3
+    lm = NGram(known)
+    text = 'def f(a, b):\n    """Add the."""\n    return a - b  # the sun\n'
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, [repair.Span("m.py", 0, 3)])
+    assert got, "no proposal"
+    for p in got:
+        assert '"""Add the."""' in p.after and "# the sun" in p.after
+    assert text.replace("a - b", "a + b") in [p.after for p in got]
+
+
 async def test_an_old_that_occurs_twice_takes_the_lines_around_it():
     lm = NGram(KNOWN)
     text = "def a(lo, hi):\n    if lo < hi:\n        return lo\n    if lo < hi:\n        return 0\n"
