@@ -166,7 +166,7 @@ class Tried:
     runs: int  # trial runs made (candidates that change files alike share one)
 
 
-async def first_passing(ws: Workspace, ranked: Ranked, check: Check) -> Tried:
+async def first_passing(ws: Workspace, ranked: Ranked, check: Check, at_once: int = 1) -> Tried:
     """The first candidate of `rank`'s, in the order of its gains (highest first, the
     earliest on a tie), whose files pass `check`; candidates that cannot apply or that create a file
     (a trial run replaces files, it adds none) are not tried, and those that leave the
@@ -186,20 +186,26 @@ async def first_passing(ws: Workspace, ranked: Ranked, check: Check) -> Tried:
         if key not in seen:
             seen.add(key)
             tried.append((i, files))
-    got = await first_that_passes([files for _, files in tried], check)
+    got = await first_that_passes([files for _, files in tried], check, at_once)
     return Tried(index=None if got.index is None else tried[got.index][0], runs=got.runs)
 
 
-async def first_that_passes(candidates: Sequence[dict[str, str]], check: Check) -> Tried:
+async def first_that_passes(
+    candidates: Sequence[dict[str, str]], check: Check, at_once: int = 1
+) -> Tried:
     """The index of the first of `candidates` (the files each puts in place) that passes
-    `check`, in order, and the runs made. Stops at the first `check` that could not be
-    tried: later ones would fare no better."""
+    `check`, in order, and the runs made. `at_once` candidates are tried side by side
+    (trial runs change nothing, so they cannot meet), the first in order that passes
+    wins. Stops at the first `check` that could not be tried: later ones would fare no
+    better."""
     runs = 0
-    for i, files in enumerate(candidates):
-        passed = await check(files)
-        if passed is None:
+    step = max(1, at_once)
+    for first in range(0, len(candidates), step):
+        got = await asyncio.gather(*(check(files) for files in candidates[first : first + step]))
+        runs += sum(passed is not None for passed in got)
+        for i, passed in enumerate(got):
+            if passed:
+                return Tried(index=first + i, runs=runs)
+        if None in got:
             break
-        runs += 1
-        if passed:
-            return Tried(index=i, runs=runs)
     return Tried(index=None, runs=runs)

@@ -107,6 +107,9 @@ class SessionConfig:
     # The seconds those runs may take in one turn; 0: off. Only a command that would
     # run without a question is tried (the policy allows it, or the user said "always")
     verify_s: float = 60.0
+    # trial runs made side by side (each sees its own files; the workspace is read-only
+    # to them), the first in order that passes wins
+    trials_at_once: int = 2
     # when the model's last command failed and the turn's change does not make it pass,
     # small edits the model itself proposes in the code around the change, the failing
     # run's traceback and what the session looked at are tried against that command in
@@ -685,7 +688,9 @@ class Session:
         index, checked = ranked.index, None
         if len(replies) > 1 and (trial := self._trial()) is not None:
             command, check = trial
-            tried = await alternatives.first_passing(self.workspace, ranked, check)
+            tried = await alternatives.first_passing(
+                self.workspace, ranked, check, self.config.trials_at_once
+            )
             checked = {"command": command, "runs": tried.runs, "passed": tried.index}
             index = ranked.index if tried.index is None else tried.index
         chosen = replies[index]
@@ -740,7 +745,9 @@ class Session:
             log.warning("session %s: no edits proposed: %s", self.id, e)
             return None
         proposed_s = self.clock.now() - t0
-        tried = await alternatives.first_that_passes([{p.path: p.after} for p in proposals], check)
+        tried = await alternatives.first_that_passes(
+            [{p.path: p.after} for p in proposals], check, self.config.trials_at_once
+        )
         runs += tried.runs
         found = None if tried.index is None else proposals[tried.index]
         meta = {

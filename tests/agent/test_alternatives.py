@@ -2,6 +2,7 @@
 (`preview`), the scored window, the ranking, and the session keeping only the chosen
 candidate's calls, with a test-double model whose scores are known."""
 
+import asyncio
 import math
 
 from opencomposer.agent import alternatives as alt
@@ -277,3 +278,31 @@ async def test_no_trial_without_a_failing_check_a_free_command_or_time(repo):
         result = await session.run("fix add")
         assert (repo / "calc.py").read_text() == CODE.replace("a - b", "a * b"), (before, cfg)
         assert "checked" not in result.turns[len(before)].output.meta["fix_samples"]
+
+
+async def test_trials_side_by_side_keep_the_order():
+    # two at once; 1 and 2 pass, and 2 finishes before 1 when they run side by side
+    flight, most, done = 0, 0, []
+
+    async def check(files):
+        nonlocal flight, most
+        flight += 1
+        most = max(most, flight)
+        n = int(files["n"])
+        await asyncio.sleep(0.05 if n == 1 else 0.01)
+        flight -= 1
+        done.append(n)
+        return n in (1, 2)
+
+    cands = [{"n": str(i)} for i in range(5)]
+    assert await alt.first_that_passes(cands, check, at_once=2) == alt.Tried(index=1, runs=2)
+    assert most == 2 and done == [0, 1]
+
+    done.clear()  # 1 and 2 side by side: 2 is done first, 1 comes first in order
+    got = await alt.first_that_passes(cands[1:], check, at_once=2)
+    assert got == alt.Tried(index=0, runs=2) and done == [2, 1]
+
+    async def late(files):  # no time for the second batch: it is not waited for
+        return None if int(files["n"]) >= 2 else False
+
+    assert await alt.first_that_passes(cands, late, at_once=2) == alt.Tried(index=None, runs=2)
