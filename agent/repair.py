@@ -19,8 +19,10 @@ masked-language-model program repair does, with a causal model:
    in place of `b` in `f(b, a)`, then `, b)`).
 3. Every candidate that still parses, keeps the names the file defines and changes
    what the code does (not its comments, layout or docstrings alone) is scored
-   exactly on its window of code, as the session's sample-and-rank scores a reply
-   (`alternatives.code_gain`), and the candidates are returned best first.
+   exactly: log P(the edit and the `RESCORE_TOKENS` tokens after it) against log P(the
+   tokens it replaces and the same tokens after them), with all the code before as
+   context. The code up to the edit is shared with the first pass, so a backend with
+   a prefix cache reads only the window; the candidates are returned best first.
 
 Nothing here knows a kind of bug: every token proposed is the model's. The session
 tries the candidates against the model's own failing command in trial runs that change
@@ -49,11 +51,13 @@ TOP_K = 8
 # model meets the code again, or to the end of the edit's line.
 EXPAND = 32
 EXPAND_TOKENS = 16
-# Candidates scored exactly, and kept, per call of `propose`; the characters of code
-# above a span that condition the exact score (about 250 tokens: a backend that cannot
-# reuse a cached context pays for it once per candidate).
-RESCORE = 48
-RESCORE_CONTEXT_CHARS = 1_000
+# Candidates scored exactly, and kept, per call of `propose`, and the tokens of code
+# after each edit that its exact score reads (the code before it is the same either
+# way; what the edit changes shows within a few lines, and each token read adds
+# noise: a bf16 model's log-probabilities of one text differ by about 0.5 nat over 64
+# tokens from one batch to another).
+RESCORE = 96
+RESCORE_TOKENS = 64
 # Lines of code in focus at most, summed over the spans.
 FOCUS_LINES = 160
 
@@ -116,7 +120,7 @@ class Proposal:
     after: str  # the whole file with the edit made
     old: str  # the lines the edit changes, as they are
     new: str  # and as the edit makes them
-    gain: float  # log P(span after) - log P(span now), the code above as context
+    gain: float  # log P(code after the edit) - log P(code now), over the edit's window
 
 
 def is_test_file(path: str) -> bool:
@@ -288,33 +292,48 @@ async def propose(
         # in the order of the code, so a cache of the tokens before each edit serves the next
         mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
         grown += [(site, e) for e in await _grow(lm, tok, site, mine)]
-    chosen: list[tuple[_Site, str]] = []
+    chosen: list[tuple[_Site, _Edit, str]] = []
+    seen: set[tuple[int, str]] = set()
     # best first by first-order gain, an edit's continuations before it
     for site, e in sorted([*grown, *best], key=lambda se: -se[1].first_order):
         new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
-        if new_body == site.body or (site, new_body) in chosen:
+        if new_body == site.body or (id(site), new_body) in seen:
             continue
         shape = _shape(site.span.path, site.head + new_body + site.tail)
         if shape is None or site.shape is None or shape[0] != site.shape[0]:
             continue  # it does not parse, or renames what the file defines
         if shape[1] == site.shape[1]:
             continue  # a comment, a docstring or the layout: the code does the same
-        chosen.append((site, new_body))
+        chosen.append((site, e, new_body))
+        seen.add((id(site), new_body))
         if len(chosen) >= rescore:
             break
-    chosen.sort(key=lambda c: (sites.index(c[0]), common_ends(c[1], c[0].body)[0]))
-    above = {site: site.head[-RESCORE_CONTEXT_CHARS:] for site in sites}
-    bases = await asyncio.gather(*(lm.logprob(above[site], site.body) for site in sites))
-    gains = await asyncio.gather(*(lm.logprob(above[site], b) for site, b in chosen))
+    # in the order of the code, so a cache of the tokens before each edit serves the next
+    chosen.sort(key=lambda c: (sites.index(c[0]), c[1].at))
+    rows_of = {id(site): rows for site, rows in zip(sites, tops, strict=True)}
+    gains = await asyncio.gather(*(_gain(lm, site, e, rows_of[id(site)]) for site, e, _ in chosen))
     out: list[Proposal] = []
-    for (site, new_body), g in zip(chosen, gains, strict=True):
-        gain = g - bases[sites.index(site)]
+    for (site, _, new_body), gain in zip(chosen, gains, strict=True):
         if math.isfinite(gain):
             after = site.head + new_body + site.tail
             old, new = _changed_lines(site.text, after)
             out.append(Proposal(site.span.path, after, old, new, gain))
     out.sort(key=lambda p: -p.gain)
     return out
+
+
+async def _gain(
+    lm: TokenLM, site: _Site, e: _Edit, rows: list[tuple[float, list[tuple[int, float]]]]
+) -> float:
+    """The exact gain of an edit: log P(its tokens and the `RESCORE_TOKENS` tokens of
+    code after the ones it replaces) - log P(the tokens it replaces and those same
+    tokens), after the same context. The second term is the first pass's (`rows`)."""
+    end = min(len(site.ids), e.at + e.drop + RESCORE_TOKENS)
+    start = site.offset + e.at
+    new = await lm.top_tokens(
+        [*site.prompt[:start], *e.put, *site.ids[e.at + e.drop : end]], start, 1
+    )
+    return sum(r[0] for r in new) - sum(r[0] for r in rows[e.at : end])
 
 
 def _merged(spans: Sequence[Span], gap: int = 2) -> list[Span]:
@@ -368,7 +387,9 @@ def _edits(
     tok: Tokens, site: _Site, rows: list[tuple[float, list[tuple[int, float]]]]
 ) -> list[_Edit]:
     """Every edit of one token the model's top tokens suggest: another token in its
-    place, one before it, or none (it is dropped), with its first-order gain. The
+    place, one before it, or none (it is dropped), with its first-order gain (log
+    P(what the edit puts there) - log P(what it replaces), where the model's odds are
+    known). The
     tokens of a name the code defines (a function's, a class's, a parameter's) are left
     as they are, since renaming what callers use fixes nothing, and so are comments and
     docstrings (`_kept_tokens`)."""
@@ -392,7 +413,12 @@ def _edits(
             # an insertion keeps the token there, whose odds after it are unknown: taken
             # as a substitution's, less a nat for the longer code
             edits.append(_Edit(j, 0, (alt,), lp - here - 1.0))
-        if visible[j] and j + 1 < len(ids) and (nxt := probs.get(ids[j + 1])) is not None:
+        if visible[j] and j + 1 < len(ids) and top:
+            # the odds of the token after, were this one dropped: the model's own when
+            # it is among its top tokens here, else at most the last of those, less a nat
+            nxt = probs.get(ids[j + 1])
+            if nxt is None:
+                nxt = top[-1][1] - 1.0
             edits.append(_Edit(j, 1, (), nxt - here - rows[j + 1][0]))
     return edits
 

@@ -354,7 +354,7 @@ class VLLMModel:
         """log P(`text` | the last `context_tokens` tokens of `context`), both plain text
         (no chat template): how likely the model finds a piece of code where it stands."""
         ids, first = self.tokenizer.scored_ids(context, text, context_tokens)
-        scored = await self._prompt_logprobs(ids, 0)
+        scored = await self._prompt_logprobs(ids, 0, first)
         return float(
             sum(scored[i][ids[i]].logprob for i in range(first, len(ids)) if scored[i] is not None)
         )
@@ -363,7 +363,7 @@ class VLLMModel:
         self, ids: list[int], first: int, k: int
     ) -> list[tuple[float, list[tuple[int, float]]]]:
         """`repair.TokenLM.top_tokens`: the prompt's own logprobs, `k` per position."""
-        scored = await self._prompt_logprobs(ids, k)
+        scored = await self._prompt_logprobs(ids, k, first)
         rows = []
         for i in range(first, min(len(ids), len(scored))):
             got = scored[i] or {}
@@ -372,20 +372,44 @@ class VLLMModel:
             rows.append((here.logprob if here is not None else -math.inf, top))
         return rows
 
-    async def _prompt_logprobs(self, ids: list[int], k: int) -> list[Any]:
+    async def _prompt_logprobs(self, ids: list[int], k: int, first: int = 1) -> list[Any]:
         """vLLM's prompt logprobs of `ids`: per position None (the first) or {token id:
-        Logprob} holding the token there and the `k` likeliest."""
+        Logprob} holding the token there and the `k` likeliest; those before `first`
+        may be missing.
+
+        The tokens a request shares with one before come from the prefix cache (the
+        scores of a code's variants share all the code up to the change), which vLLM
+        leaves off by default for prompt logprobs: the positions the cache held get no
+        scores. When the cache held a position from `first` on (two prompts that share
+        more than the context), the prompt is scored again without it. Tokens are not
+        decoded (the rows of cached positions hold no real tokens to decode)."""
         from vllm import SamplingParams
 
         await self.start()
         check_fits(len(ids) + 1, self.context_window)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
         final: Any = None
-        async for result in self._engine.generate(
-            {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
-        ):
-            final = result
-        return list(final.prompt_logprobs or []) if final is not None else []
+        for cached in (True, False):
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=k,
+                detokenize=False,
+                skip_reading_prefix_cache=not cached,
+            )
+            final = None
+            async for result in self._engine.generate(
+                {"prompt_token_ids": ids}, params, f"oc-{uuid.uuid4().hex}"
+            ):
+                final = result
+            if final is None:
+                return []
+            # the position after the last one the cache held is the first one scored
+            held = final.num_cached_tokens or 0
+            if held < max(first, 1):
+                break
+        rows = list(final.prompt_logprobs or [])
+        held = final.num_cached_tokens or 0
+        return [None if i <= held else row for i, row in enumerate(rows)]
 
     async def greedy(
         self, prefixes: list[list[int]], max_tokens: int, until: list[int]

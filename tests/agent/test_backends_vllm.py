@@ -10,6 +10,7 @@ nothing written to stdout by the engine's processes; a close without a traceback
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from opencomposer.agent.backends import make_model
@@ -83,6 +84,21 @@ async def test_vllm_engine_end_to_end(capfd: pytest.CaptureFixture[str]) -> None
             await model.greedy([prompt], 4, [first]),
         )
         assert free[0][0] == first and len(free[0]) == 4 and until == [[first]]
+
+        # A variant of a long text reads what it shares with it from the prefix cache
+        # and is still scored from where it differs; a text scored again, all of it
+        # cached, is scored in full once more.
+        code = "".join(f"item_{i} = compute({i}, {i * 7 % 13})\n" for i in range(80))
+        long = tok.encode(code, add_special_tokens=False)[:420]
+        whole = await model.top_tokens(long, 1, 1)
+        variant = [*long[:300], long[310], *long[301:380]]
+        scored = [h for h, _ in await model.top_tokens(variant, 300, 1)]
+        reference = reference_logprobs(model.path, variant[:300], variant[300:])
+        assert len(scored) == len(reference) and all(h > -math.inf for h in scored)
+        assert sum(scored) == pytest.approx(sum(reference), rel=0.05, abs=1.0)
+        again = await model.top_tokens(long, 1, 1)
+        assert len(again) == len(whole) == len(long) - 1
+        assert sum(h for h, _ in again) == pytest.approx(sum(h for h, _ in whole), rel=0.05)
 
         # Eight sessions at once on the one engine.
         prompts = [[Message(role="user", content=f"Count from 1 to {n}.")] for n in range(5, 13)]
