@@ -31,12 +31,12 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opencomposer.agent import alternatives, repair
+from opencomposer.agent import alternatives, localize, repair
 from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
@@ -288,13 +288,25 @@ def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
     return str(call.args.get("command", "")), float(meta.get("duration_s") or 0.0)
 
 
+def _failing_output(turns: list[TurnRecord], command: str) -> str:
+    """The output of the last run of `command` in the session."""
+    for c in reversed([c for t in turns for c in t.calls]):
+        if c.name == specs.RUN_TERMINAL and str(c.args.get("command", "")) == command:
+            return c.result.output if c.result else ""
+    return ""
+
+
 def _repair_lines(
-    ws: Workspace, turns: list[TurnRecord], held: list[ParsedCall]
+    ws: Workspace,
+    turns: list[TurnRecord],
+    held: list[ParsedCall],
+    called: Sequence[tuple[str, int]] = (),
 ) -> list[tuple[str, int]]:
     """(path, 0-based line) where a repair looks for its edits, the likeliest first:
     what the turn's change targets, the frames of the failing run's traceback
-    (innermost first), then the lines the session's greps found and its reads showed,
-    the latest first."""
+    (innermost first), the functions the failing test called (`called`, the last
+    called first: `agent/localize.py`), then the lines the session's greps found and
+    its reads showed, the latest first."""
     lines: list[tuple[str, int]] = []
 
     def rel(path: str) -> str | None:
@@ -314,11 +326,10 @@ def _repair_lines(
                 lines.append((path, text.count("\n", 0, at)))
     root = str(ws.root)
     found = failing_check(turns)
+    if found:
+        lines += repair.traceback_lines(_failing_output(turns, found[0]), root)
+    lines += called
     records = [c for t in turns for c in t.calls if c.result is not None]
-    for c in reversed(records):
-        if found and c.name == specs.RUN_TERMINAL and str(c.args.get("command", "")) == found[0]:
-            lines += repair.traceback_lines(c.result.output if c.result else "", root)
-            break
     for c in reversed(records):
         out = c.result.output if c.result else ""
         if c.name == specs.GREP:
@@ -588,6 +599,11 @@ class Session:
             all_calls = parser.calls
             if held:
                 output, all_calls, held = await self._pick_change(output, all_calls, held)
+            elif hold and self._repair_on() and (trial := self._trial()) is not None:
+                # no change while the last check fails: the model's own edits may pass it
+                repaired = await self._repair(output, all_calls, [], trial)
+                if repaired is not None:
+                    output, all_calls, held = repaired
             for call in held:
                 executor.submit(call)
             self.completion_tokens += output.completion_tokens
@@ -710,17 +726,21 @@ class Session:
     ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]] | None:
         """The reply with its change replaced by the first of the model's own small
         edits (`repair.propose`) that passes the failing command, when the change itself
-        does not; None when the change passes, or no edit does in the time left."""
+        does not, or with that edit added when the reply changes nothing (`held` empty)
+        and the code as it is still fails; None when the change or the code passes, or
+        no edit does in the time left."""
         command, check = trial
         t0 = self.clock.now()
         runs = 0
         own = alternatives.preview(self.workspace, held)
-        if own and all(self.workspace.exists(p) for p in own):
-            passed = await check({p: after for p, (_, after) in own.items()})
+        if (own and all(self.workspace.exists(p) for p in own)) or not held:
+            # the change, or the code as it is when the reply changes nothing
+            passed = await check({p: after for p, (_, after) in (own or {}).items()})
             runs += passed is not None
             if passed is None or passed:
                 return None  # it passes, or nothing more can be tried
-        lines = _repair_lines(self.workspace, self.turns, held)
+        called = await self._failing_calls(command)
+        lines = _repair_lines(self.workspace, self.turns, held, called)
         texts: dict[str, str] = {}
         for path, _ in lines:
             if path not in texts and self.workspace.exists(path):
@@ -773,13 +793,24 @@ class Session:
         meta: dict[str, Any],
     ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]]:
         """`output` with its first change made `found`'s edit, its other changes left
-        out and the rest of its text (the calls after, a rerun of the test) kept."""
+        out and the rest of its text (the calls after, a rerun of the test) kept; a
+        reply that changes nothing (`held` empty) gets the edit after its calls."""
         text = output.text
+        call = specs.render_call(specs.EDIT_FILE, path=found.path, old=found.old, new=found.new)
+        if not held:
+            new_text = text.rstrip() + "\n" + call
+            new_calls = parse_all(new_text, *specs.parser_rules())
+            output = dataclasses.replace(
+                output,
+                text=new_text,
+                completion_token_ids=None,
+                completion_logprobs=None,
+                meta={**output.meta, "repair": {**meta, "gain": round(found.gain, 3)}},
+            )
+            log.info("session %s: %s passes `%s` with an edit added", self.id, found.path, meta["command"])  # fmt: skip
+            return output, new_calls, new_calls[len(calls) :]
         first = held[0]
-        pieces = [text[: first.start]]
-        pieces.append(
-            specs.render_call(specs.EDIT_FILE, path=found.path, old=found.old, new=found.new)
-        )
+        pieces = [text[: first.start], call]
         at = first.end
         for c in held[1:]:
             if alternatives.changes(c):
@@ -803,6 +834,35 @@ class Session:
             "session %s: %s passes `%s` with a proposed edit", self.id, found.path, meta["command"]
         )
         return repaired, new_calls, [c for c in new_calls if c.index >= first.index]
+
+    async def _failing_calls(self, command: str) -> list[tuple[str, int]]:
+        """The workspace's functions the failing test called, the last called first:
+        the failing command run once more, read-only, with a profiler
+        (`localize.failing_calls`); [] when that cannot be done."""
+        found = failing_check(self.turns)
+        if found is None or found[0] != command:
+            return []
+        # a profiled run is slower than a plain one
+        limit = min(2 * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
+        root = Path(self.workspace.root)
+
+        async def run(traced: str, folder: Path) -> None:
+            await run_sandboxed(
+                traced,
+                root=root,
+                config=self.ctx.sandbox,
+                timeout_s=limit,
+                files={},
+                scratch=folder,
+            )
+
+        try:
+            return await localize.failing_calls(
+                command, str(root), _failing_output(self.turns, command), run
+            )
+        except (ToolError, OSError) as e:
+            log.info("session %s: no profiled run of %r: %s", self.id, command, e)
+            return []
 
     def _trial(self) -> tuple[str, alternatives.Check] | None:
         """(command, check) that tries a candidate's files against the model's last

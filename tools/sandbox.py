@@ -139,12 +139,14 @@ def sandbox_argv(
     config: SandboxConfig,
     guard: GitGuard | None = None,
     over: Collection[tuple[str, str]] = (),
+    scratch: str | None = None,
 ) -> list[str]:
     """The full argv that runs `command` in `root` under `config`; SandboxError if it can't.
 
     `guard`: the workspace's `git_guard`, when the caller has it already. `over`:
     (source, target) files bound read-only over files of the workspace (a trial run's
-    changed files, `run_sandboxed(files=…)`)."""
+    changed files, `run_sandboxed(files=…)`). `scratch`: a folder outside the workspace
+    the command may write, at the same path (`run_sandboxed(scratch=…)`)."""
     shell = [_shell(), "-c", command]
     if config.mode == "off":
         return shell
@@ -180,6 +182,7 @@ def sandbox_argv(
         bind, str(root), str(root),
         *git_binds,
         *(arg for source, target in over for arg in ("--ro-bind", source, target)),
+        *(("--bind", scratch, scratch) if scratch else ()),
         "--chdir", str(root),
         "--",
     ]  # fmt: skip
@@ -779,12 +782,15 @@ async def run_sandboxed(
     config: SandboxConfig,
     timeout_s: float | None = None,
     files: Mapping[str, str] | None = None,
+    scratch: Path | None = None,
 ) -> CommandResult:
     """Run `command` with bash at `root` under `config`; see the module docstring.
 
     `files`: a trial run. The command sees these texts ({path in the workspace: text})
     in place of those files, and the whole workspace read-only, so it changes nothing
-    however it ends. Each path must name a file that exists; mode `off` cannot do it."""
+    however it ends. Each path must name a file that exists; mode `off` cannot do it.
+    `scratch`: a folder outside the workspace that the command may write even so, for
+    the caller to read what it leaves there (`agent/localize.py`)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise SandboxError(f"workspace {root} is not a directory")
@@ -794,9 +800,19 @@ async def run_sandboxed(
         config = dataclasses.replace(config, mode="read-only")
     if root == Path(root.anchor) and config.mode == "workspace-write":
         raise SandboxError("the workspace is the file-system root; refusing to make it writable")
+    folder = None
+    if scratch is not None:
+        folder = str(Path(scratch).resolve())
+        inside = (
+            Path(folder) == root or root in Path(folder).parents or Path(folder) in root.parents
+        )
+        if not Path(folder).is_dir() or inside:
+            raise SandboxError(
+                f"a scratch folder must be a folder outside the workspace: {scratch}"
+            )
     guard = git_guard(root) if config.mode == "workspace-write" and bwrap_path() else None
     with _trial_files(root, files or {}) as over:
-        return await _run(command, root, config, timeout_s, guard, over)
+        return await _run(command, root, config, timeout_s, guard, over, folder)
 
 
 @contextlib.contextmanager
@@ -829,8 +845,9 @@ async def _run(
     timeout_s: float | None,
     guard: GitGuard | None,
     over: list[tuple[str, str]],
+    scratch: str | None = None,
 ) -> CommandResult:
-    argv = sandbox_argv(command, root, config, guard, over)
+    argv = sandbox_argv(command, root, config, guard, over, scratch)
     limit = config.timeout_s if timeout_s is None else timeout_s
     if limit <= 0:
         raise SandboxError(f"timeout must be positive, got {limit}")

@@ -273,3 +273,20 @@ async def test_no_repair_when_the_change_passes_or_repair_is_off(repo):
         if after:
             assert after in text
         assert "repair" not in result.turns[1].output.meta, cfg
+
+
+async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, store):
+    """While the check fails, a turn that only reads gets the model's own edit that
+    passes the check added after its calls; once the code passes, nothing is added."""
+    (repo / "m.py").write_text(PICK)
+    read = '<read_file path="m.py"/>'
+    model = Repairing([run(CHECK), "Reading.\n" + read, "Done.\n" + read, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    turn = result.turns[1]
+    assert [c.name for c in turn.calls] == ["read_file", "edit_file"]
+    assert turn.calls[1].result.status == "ok" and "repair" in turn.output.meta
+    assert "repair" not in result.turns[2].output.meta  # the code passes: nothing to add
+    assert [c.name for c in result.turns[2].calls] == ["read_file"]

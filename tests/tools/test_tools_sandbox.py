@@ -488,3 +488,24 @@ async def test_a_trial_run_replaces_only_files_of_the_workspace(root: Path, tmp_
     with pytest.raises(SandboxError, match="needs the sandbox"):
         await run_sandboxed("true", root=root, config=cfg(mode="off"), files={"data.txt": "x"})
     assert (tmp_path / "outside.txt").read_text() == "secret\n"
+
+
+async def test_a_trial_run_may_write_its_scratch_folder_only(root: Path, tmp_path: Path) -> None:
+    """A profiled trial run leaves its record in a scratch folder outside the
+    workspace; the workspace stays read-only, and a scratch folder that holds the
+    workspace, or lies in it, is refused."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    r = await run_sandboxed(
+        f"echo rec > {scratch}/1.json; echo x > data.txt; echo wrote=$?",
+        root=root,
+        config=cfg(),
+        files={},
+        scratch=scratch,
+    )
+    assert (scratch / "1.json").read_text() == "rec\n" and r.output.rstrip().endswith("wrote=1")
+    assert (root / "data.txt").read_text() == "inside\n"
+    (root / "sub").mkdir()
+    for bad in (root, root / "sub", root.parent, tmp_path / "missing"):
+        with pytest.raises(SandboxError, match="scratch folder"):
+            await run_sandboxed("true", root=root, config=cfg(), files={}, scratch=bad)

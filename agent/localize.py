@@ -1,0 +1,191 @@
+"""Where a failing test went: the workspace's functions the failing run called.
+
+When a test fails on its own assertion (a wrong value came back), its traceback names
+no function of the code, only the test's line. The repair (`agent/repair.py`) then has
+nothing to look at but what the session happened to read. This module runs the failing
+command once more, read-only, with a profiler that Python loads at start-up
+(`sitecustomize`, put first on `PYTHONPATH`), and reads back which functions of the
+workspace each test function called, in the order of their last call. The functions
+the failing test called last are where its wrong value most likely came from.
+
+Only calls made while a test function runs count, and of those not the `__repr__`
+(`__str__`, `__format__`) a test runner calls to show a value in an assertion's
+message: the test's own code calls them only when it means to test them. A
+command that sets `PYTHONPATH` itself, or a program that is not Python, leaves no
+record: then nothing is found, and the repair looks where it did before.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from opencomposer.agent import repair
+
+# Functions of the code taken from a run, at most (the last called first). Run with
+# `pytest -x` on 24 held-out corpus tasks, the failing test called the function with
+# the bug in 22; it was among the 6 called last in 16, among the 10 called last in 22
+# (called first: 16 and 18).
+MOST = 10
+
+_TRACER = """\
+# Written by opencomposer for one run: which functions of a workspace each test called.
+import atexit, json, os, re, sys, threading
+
+_ROOT = os.environ.get("OPENCOMPOSER_TRACE_ROOT", "")
+_OUT = os.environ.get("OPENCOMPOSER_TRACE_OUT", "")
+_TEST = re.compile(__TEST_FILE__)
+_tests = {}  # (file, first line, name) of a test function -> {(file, line, name): last call}
+_all = {}  # every call of the workspace's code, in or out of a test
+_stack = []  # (key, frame) of the test functions running
+_n = [0]
+_SHOW = ("__repr__", "__str__", "__format__")
+_kind = {}  # file -> is it a test file
+
+
+def _is_test(path):
+    k = _kind.get(path)
+    if k is None:
+        k = _kind[path] = bool(_TEST.search(path[len(_ROOT):]))
+    return k
+
+
+def _profile(frame, event, arg):
+    if event == "call":
+        code = frame.f_code
+        path = code.co_filename
+        if not path.startswith(_ROOT) or code.co_name.startswith("<"):
+            return
+        if _is_test(path):
+            if code.co_name.startswith("test"):
+                key = (path, code.co_firstlineno, code.co_name)
+                _tests[key] = {}  # its last run only
+                _stack.append((key, frame))
+            return
+        if code.co_name in _SHOW:
+            caller = frame.f_back
+            if caller is None or not caller.f_code.co_filename.startswith(_ROOT):
+                return  # a test runner showing a value (an assertion's message)
+        _n[0] += 1
+        where = (path, code.co_firstlineno, code.co_name)
+        _all[where] = _n[0]
+        if _stack:
+            _tests[_stack[-1][0]][where] = _n[0]
+    elif event == "return" and _stack and _stack[-1][1] is frame:
+        _stack.pop()
+
+
+def _dump():
+    sys.setprofile(None)
+    threading.setprofile(None)
+    out = {
+        "tests": [[*k, [[*w, s] for w, s in calls.items()]] for k, calls in _tests.items()],
+        "all": [[*w, s] for w, s in _all.items()],
+    }
+    with open(os.path.join(_OUT, "%d.json" % os.getpid()), "w") as fh:
+        json.dump(out, fh)
+
+
+if _ROOT and _OUT and os.path.isdir(_OUT):
+    atexit.register(_dump)
+    threading.setprofile(_profile)
+    sys.setprofile(_profile)
+"""
+
+# {"tests": [[file, first line, name, [[file, first line, name, last call], ...]], ...],
+#  "all": [[file, first line, name, last call], ...]}: what a traced run leaves
+Trace = dict[str, list[Any]]
+
+_TEST_NAME = re.compile(r"(?:^|\s)([\w./-]+\.py)::(?:\w+::)*(\w+)", re.MULTILINE)
+
+
+def tracer_source() -> str:
+    """The `sitecustomize.py` a traced run loads (its test-file rule is the repair's)."""
+    return _TRACER.replace("__TEST_FILE__", repr(repair._TEST_FILE.pattern))
+
+
+def trace_prefix(folder: str, root: str) -> str:
+    """Shell lines that make the Python programs of a command put their calls in
+    `folder`, which must hold `tracer_source()` as `sitecustomize.py`."""
+    root = root.rstrip("/") + "/"
+    return (
+        f"export OPENCOMPOSER_TRACE_ROOT={_quote(root)} OPENCOMPOSER_TRACE_OUT={_quote(folder)}\n"
+        f'export PYTHONPATH={_quote(folder)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+    )
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def read_trace(folder: Path, root: str) -> Trace:
+    """The records of a traced run's Python processes, merged (the last to finish
+    wins a test both ran); empty when none left one."""
+    merged: Trace = {"tests": [], "all": []}
+    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # a process killed while it wrote
+        if isinstance(data, dict):
+            merged["tests"] += data.get("tests") or []
+            merged["all"] += data.get("all") or []
+    return merged
+
+
+def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
+    """(path relative to `root`, 0-based line of the def) of the workspace functions
+    the failing test called, the last called first, `MOST` at most.
+
+    The failing test is the test function around the innermost test-file frame of the
+    run's output (`path:line`), else the test a `path::name` in it names; failing both,
+    the functions the whole run called last."""
+    prefix = root.rstrip("/") + "/"
+    tests = [t for t in trace.get("tests", []) if len(t) == 4]
+    chosen = None
+    frames = [(p, n) for p, n in repair.traceback_lines(output, root) if repair.is_test_file(p)]
+    for path, line in frames:
+        around = [t for t in tests if t[0] == prefix + path and int(t[1]) <= line + 1]
+        if around:
+            chosen = max(around, key=lambda t: int(t[1]))[3]
+            break
+    if chosen is None:
+        for m in _TEST_NAME.finditer(output):
+            path, name = m.group(1), m.group(2)
+            named = [t for t in tests if t[0] == prefix + path and t[2] == name]
+            if named:
+                chosen = named[-1][3]
+                break
+    calls = chosen if chosen is not None else trace.get("all", [])
+    out: list[tuple[str, int]] = []
+    for path, line, _name, _seq in sorted(calls, key=lambda c: -int(c[3])):
+        where = (str(path)[len(prefix) :], int(line) - 1)
+        if str(path).startswith(prefix) and where not in out:
+            out.append(where)
+        if len(out) >= MOST:
+            break
+    return out
+
+
+async def failing_calls(
+    command: str,
+    root: str,
+    output: str,
+    run: Callable[[str, Path], Awaitable[object]],
+) -> list[tuple[str, int]]:
+    """Run `command` once more with the tracer (`run(traced command, scratch folder)`,
+    which must let the command write that folder and nothing else) and return
+    `called_lines` for its record; [] when the run left none."""
+    folder = Path(tempfile.mkdtemp(prefix="opencomposer-trace-"))
+    try:
+        (folder / "sitecustomize.py").write_text(tracer_source())
+        await run(trace_prefix(str(folder), root) + command, folder)
+        return called_lines(read_trace(folder, root), output, root)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

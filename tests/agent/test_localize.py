@@ -1,0 +1,140 @@
+"""Where a failing test went (`agent/localize.py`): a real profiled pytest run in the
+sandbox, the reading of its record, and a session whose repair finds the function
+with the bug only through that run (the test failed on its own assertion)."""
+
+import json
+from pathlib import Path
+
+from opencomposer.agent import localize
+from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
+from opencomposer.tools.workspace import LocalWorkspace
+
+from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, run
+
+CODE = (
+    "class Pair:\n"
+    "    def __init__(self, a, b):\n"
+    "        self.a, self.b = a, b\n"
+    "\n"
+    "    def __repr__(self):\n"
+    "        return f'Pair({self.a}, {self.b})'\n"
+    "\n"
+    "    def __eq__(self, other):\n"
+    "        return (self.a, self.b) == (other.a, other.b)\n"
+    "\n"
+    "\n"
+    "def scale(n):\n"
+    "    return n * 2\n"
+    "\n"
+    "\n"
+    "def make(n):\n"
+    "    return Pair(n, scale(n))\n"
+    "\n"
+    "\n"
+    "def unused():\n"
+    "    return 0\n"
+)
+TESTS = (
+    "from m import make, unused\n"
+    "\n"
+    "\n"
+    "def test_other():\n"
+    "    assert unused() == 0\n"
+    "\n"
+    "\n"
+    "def test_make():\n"
+    "    got = make(2)\n"
+    "    assert got.b == 5, got\n"
+)
+PYTEST = "python -m pytest -q -p no:cacheprovider tests/test_m.py"
+
+
+def project(root: Path) -> Path:
+    root.mkdir()
+    (root / "m.py").write_text(CODE)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_m.py").write_text(TESTS)
+    return root
+
+
+async def profiled(root: Path, command: str) -> tuple[list[tuple[str, int]], str]:
+    assert bwrap_path(), "bubblewrap is missing: run `make system-deps`"
+    config = SandboxConfig(mode="read-only")
+    first = await run_sandboxed(command, root=root, config=config, files={})
+
+    async def go(traced: str, folder: Path) -> None:
+        await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
+
+    return await localize.failing_calls(command, str(root), first.output, go), first.output
+
+
+async def test_a_profiled_run_gives_what_the_failing_test_called_last_first(tmp_path):
+    root = project(tmp_path / "repo")
+    got, output = await profiled(root, PYTEST)
+    assert "test_m.py:10: AssertionError" in output  # no frame of the code
+    # make called Pair.__init__ and scale; the report's __repr__ and __eq__ are left out,
+    # and so are the functions of the test that passed
+    assert set(got) == {("m.py", 15), ("m.py", 11), ("m.py", 1)}
+    assert got[0] == ("m.py", 1)  # Pair.__init__, called last
+    assert not list(root.rglob("__pycache__"))  # the run wrote nothing in the workspace
+
+
+async def test_a_command_that_is_not_python_or_sets_its_path_finds_nothing(tmp_path):
+    root = project(tmp_path / "repo")
+    assert (await profiled(root, "exit 1"))[0] == []
+    assert (await profiled(root, f"PYTHONPATH=/nowhere {PYTEST}"))[0] == []
+
+
+def test_the_failing_test_is_found_by_its_frame_then_its_name_then_the_whole_run():
+    root = "/w"
+    trace = {
+        "tests": [
+            ["/w/t/test_a.py", 3, "test_one", [["/w/a.py", 1, "f", 5], ["/w/a.py", 9, "g", 7]]],
+            ["/w/t/test_a.py", 12, "test_two", [["/w/b.py", 4, "h", 11]]],
+        ],
+        "all": [["/w/a.py", 1, "f", 5], ["/w/c.py", 2, "k", 20]],
+    }
+    assert localize.called_lines(trace, "t/test_a.py:14: AssertionError", root) == [("b.py", 3)]
+    assert localize.called_lines(trace, "t/test_a.py:5: in test_one", root) == [
+        ("a.py", 8),
+        ("a.py", 0),
+    ]
+    named = "FAILED t/test_a.py::test_two - assert 1 == 2"
+    assert localize.called_lines(trace, named, root) == [("b.py", 3)]
+    assert localize.called_lines(trace, "Traceback: nothing known", root) == [
+        ("c.py", 1),
+        ("a.py", 0),
+    ]
+    assert localize.called_lines({}, "t/test_a.py:5: in test_one", root) == []
+
+
+def test_a_record_cut_short_is_skipped(tmp_path):
+    (tmp_path / "1.json").write_text('{"tests": [')  # a process killed while it wrote
+    (tmp_path / "2.json").write_text(json.dumps({"tests": [], "all": [["/w/a.py", 1, "f", 1]]}))
+    assert localize.read_trace(tmp_path, "/w") == {"tests": [], "all": [["/w/a.py", 1, "f", 1]]}
+
+
+CHECK_TEST = (
+    "from m import pick\n\n\ndef test_pick():\n    assert pick(2, 2) == 2 and pick(3, 1) == 0\n"
+)
+
+
+async def test_the_repair_finds_a_function_only_the_failing_test_reached(repo, store):
+    """The test fails on its own assertion, and the model's change is to another
+    file: only the profiled run points the repair at `pick`, where its fix is."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "other.py").write_text("def other():\n    return 1\n")
+    (repo / "test_m.py").write_text(CHECK_TEST)
+    check = "python -m pytest -q -p no:cacheprovider test_m.py"
+    wrong = edit("    return 1", "    return 2", path="other.py")
+    model = Repairing(["Reproducing.\n" + run(check), "A fix.\n" + wrong, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    assert "test_m.py:5: AssertionError" in result.turns[0].calls[0].result.output
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    assert (repo / "other.py").read_text() == "def other():\n    return 1\n"
+    meta = result.turns[1].output.meta["repair"]
+    assert ["m.py", 1, 4] in meta["spans"] and ["other.py", 1, 2] in meta["spans"]
