@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -189,3 +190,61 @@ async def failing_calls(
         return called_lines(read_trace(folder, root), output, root)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- what else the failing test's files test -----------------------------------------
+
+_SHELL = re.compile(r"[|&;<>()`$]")
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+# pytest options that choose or stop the tests run, with the value some of them take
+_CHOOSE = {"-k": True, "-m": True, "--deselect": True, "-x": False, "--exitfirst": False}
+_CHOOSE_PREFIX = ("-k", "--deselect=", "--maxfail", "--lf", "--last-failed", "--sw", "--stepwise")
+
+
+def guard_command(command: str, output: str) -> str | None:
+    """A pytest command that runs every test of the files the failing command ran
+    tests from: `command` with its choice of tests (`-k`, `::name`, `-x`, …) taken
+    out, and, when it names no path, the files of the tests its output says failed.
+    An edit that makes the failing test pass must not fail another test of them (one
+    that `return 0` in place of a result fixes in passing). None for a command that is
+    not a plain pytest run (a pipe, `&&`, a variable)."""
+    if _SHELL.search(command):
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    at = next((i for i, w in enumerate(words) if w == "pytest" or w.endswith("/pytest")), None)
+    if at is None:
+        return None
+    head, rest = words[: at + 1], words[at + 1 :]
+    kept: list[str] = []
+    paths: list[str] = []
+    skip = False
+    for w in rest:
+        if skip:
+            skip = False
+            continue
+        if w in _CHOOSE:
+            skip = _CHOOSE[w]
+            continue
+        if w.startswith(_CHOOSE_PREFIX) or (w.startswith("-m") and len(w) > 2 and w[2] != "-"):
+            continue
+        if not w.startswith("-") and ("/" in w or "::" in w or w.endswith(".py") or w == "."):
+            w = w.split("::", 1)[0]  # a path (an option's value is kept as it is)
+            if w in paths:
+                continue
+            paths.append(w)
+        kept.append(w)
+    if not paths:
+        failed = [m.split("::", 1)[0] for m in _FAILED.findall(output)]
+        if not failed:
+            return None
+        kept += list(dict.fromkeys(failed))
+    extra = ["-p", "no:cacheprovider", "-rfE", "-q"]
+    return shlex.join([*head, *kept, *extra])
+
+
+def failed_tests(output: str) -> frozenset[str]:
+    """The node ids a pytest run's summary says failed or erred."""
+    return frozenset(_FAILED.findall(output))

@@ -766,7 +766,9 @@ class Session:
             return None
         proposed_s = self.clock.now() - t0
         tried = await alternatives.first_that_passes(
-            [{p.path: p.after} for p in proposals], check, self.config.trials_at_once
+            [{p.path: p.after} for p in proposals],
+            self._guarded(command, check),
+            self.config.trials_at_once,
         )
         runs += tried.runs
         found = None if tried.index is None else proposals[tried.index]
@@ -797,27 +799,18 @@ class Session:
         reply that changes nothing (`held` empty) gets the edit after its calls."""
         text = output.text
         call = specs.render_call(specs.EDIT_FILE, path=found.path, old=found.old, new=found.new)
-        if not held:
-            new_text = text.rstrip() + "\n" + call
-            new_calls = parse_all(new_text, *specs.parser_rules())
-            output = dataclasses.replace(
-                output,
-                text=new_text,
-                completion_token_ids=None,
-                completion_logprobs=None,
-                meta={**output.meta, "repair": {**meta, "gain": round(found.gain, 3)}},
-            )
-            log.info("session %s: %s passes `%s` with an edit added", self.id, found.path, meta["command"])  # fmt: skip
-            return output, new_calls, new_calls[len(calls) :]
-        first = held[0]
-        pieces = [text[: first.start], call]
-        at = first.end
-        for c in held[1:]:
-            if alternatives.changes(c):
-                pieces.append(text[at : c.start])
-                at = c.end
-        pieces.append(text[at:])
-        new_text = "".join(pieces)
+        if held:
+            first = held[0]
+            pieces = [text[: first.start], call]
+            at = first.end
+            for c in held[1:]:
+                if alternatives.changes(c):
+                    pieces.append(text[at : c.start])
+                    at = c.end
+            pieces.append(text[at:])
+            new_text, start, replaced = "".join(pieces), first.index, text[first.start :]
+        else:
+            new_text, start, replaced = text.rstrip() + "\n" + call, len(calls), ""
         new_calls = parse_all(new_text, *specs.parser_rules())
         repaired = dataclasses.replace(
             output,
@@ -827,13 +820,54 @@ class Session:
             completion_logprobs=None,
             meta={
                 **output.meta,
-                "repair": {**meta, "gain": round(found.gain, 3), "replaced": text[first.start :]},
+                "repair": {**meta, "gain": round(found.gain, 3), "replaced": replaced},
             },
         )
         log.info(
             "session %s: %s passes `%s` with a proposed edit", self.id, found.path, meta["command"]
         )
-        return repaired, new_calls, [c for c in new_calls if c.index >= first.index]
+        return repaired, new_calls, [c for c in new_calls if c.index >= start]
+
+    def _guarded(self, command: str, check: alternatives.Check) -> alternatives.Check:
+        """`check`, and for an edit that passes it, no test of the failing test's files
+        failing that did not fail before (`localize.guard_command`): the failing test
+        alone can be made to pass by breaking what it shares with the others. The
+        files' tests run once as they are, when the first edit passes; if that run
+        cannot finish in time, the command alone decides."""
+        found = failing_check(self.turns)
+        if found is None or found[0] != command:
+            return check
+        guard = localize.guard_command(command, _failing_output(self.turns, command))
+        if guard is None:
+            return check
+        # more tests than the failing command's, each run given some time
+        limit = min(4 * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
+        root = Path(self.workspace.root)
+        before: list[frozenset[str] | None] = []
+        lock = asyncio.Lock()
+
+        async def failing(files: dict[str, str]) -> frozenset[str] | None:
+            try:
+                result = await run_sandboxed(
+                    guard, root=root, config=self.ctx.sandbox, timeout_s=limit, files=files
+                )
+            except (ToolError, OSError):
+                return None
+            return None if result.killed_reason else localize.failed_tests(result.output)
+
+        async def guarded(files: dict[str, str]) -> bool | None:
+            passed = await check(files)
+            if not passed:
+                return passed
+            async with lock:
+                if not before:
+                    before.append(await failing({}))
+            if before[0] is None:
+                return True
+            after = await failing(files)
+            return after is not None and after <= before[0]
+
+        return guarded
 
     async def _failing_calls(self, command: str) -> list[tuple[str, int]]:
         """The workspace's functions the failing test called, the last called first:

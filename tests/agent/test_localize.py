@@ -138,3 +138,42 @@ async def test_the_repair_finds_a_function_only_the_failing_test_reached(repo, s
     assert (repo / "other.py").read_text() == "def other():\n    return 1\n"
     meta = result.turns[1].output.meta["repair"]
     assert ["m.py", 1, 4] in meta["spans"] and ["other.py", 1, 2] in meta["spans"]
+
+
+def test_the_guard_runs_every_test_of_the_failing_tests_files():
+    failed = "FAILED t/test_a.py::test_x - assert 1 == 2\nERROR t/test_b.py::test_z - boom"
+    g = localize.guard_command
+    assert g("python -m pytest -x -q --tb=short -k test_x", failed) == (
+        "python -m pytest -q --tb=short t/test_a.py t/test_b.py -p no:cacheprovider -rfE -q"
+    )
+    assert g("PYTHONPATH=.deps pytest -p no:randomly t/test_a.py::C::test_x", "") == (
+        "PYTHONPATH=.deps pytest -p no:randomly t/test_a.py -p no:cacheprovider -rfE -q"
+    )
+    assert g("python -m pytest --maxfail=1 --lf tests/", "") == (
+        "python -m pytest tests/ -p no:cacheprovider -rfE -q"
+    )
+    for command in ("python -m pytest -q | tail -3", "python3 -c 'import m'", "pytest -k x"):
+        assert g(command, "") is None, command  # a pipe, not pytest, nothing to widen to
+    assert localize.failed_tests(failed) == {"t/test_a.py::test_x", "t/test_b.py::test_z"}
+
+
+TWO_TESTS = (
+    "from m import pick\n\n\n"
+    "def test_pick():\n    assert pick(2, 2) == 2\n\n\n"
+    "def test_other():\n    assert pick(3, 1) == 0\n"
+)
+
+
+async def test_an_edit_that_breaks_another_test_of_the_file_is_not_taken(repo):
+    """The model checks one test only. `return hi` for `return 0`, the n-gram model's
+    best edit, passes it but fails the file's other test: the repair goes on to `<=`,
+    which passes both."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(TWO_TESTS)
+    check = "python -m pytest -q -p no:cacheprovider test_m.py::test_pick"
+    wrong = edit("        return lo", "        return hi")
+    model = Repairing([run(check), "A fix.\n" + wrong, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    assert result.turns[1].output.meta["repair"]["runs"] >= 3
