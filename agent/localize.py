@@ -124,7 +124,7 @@ def _quote(s: str) -> str:
     return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
-def read_trace(folder: Path, root: str) -> Trace:
+def read_trace(folder: Path) -> Trace:
     """The records of a traced run's Python processes, merged (the last to finish
     wins a test both ran); empty when none left one."""
     merged: Trace = {"tests": [], "all": []}
@@ -187,7 +187,7 @@ async def failing_calls(
     try:
         (folder / "sitecustomize.py").write_text(tracer_source())
         await run(trace_prefix(str(folder), root) + command, folder)
-        return called_lines(read_trace(folder, root), output, root)
+        return called_lines(read_trace(folder), output, root)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -293,11 +293,11 @@ async def propose(
         mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
         grown += [(site, e) for e in await _grow(lm, tok, site, mine)]
     chosen: list[tuple[_Site, _Edit, str]] = []
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[_Site, str]] = set()
     # best first by first-order gain, an edit's continuations before it
     for site, e in sorted([*grown, *best], key=lambda se: -se[1].first_order):
         new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
-        if new_body == site.body or (id(site), new_body) in seen:
+        if new_body == site.body or (site, new_body) in seen:
             continue
         shape = _shape(site.span.path, site.head + new_body + site.tail)
         if shape is None or site.shape is None or shape[0] != site.shape[0]:
@@ -305,13 +305,13 @@ async def propose(
         if shape[1] == site.shape[1]:
             continue  # a comment, a docstring or the layout: the code does the same
         chosen.append((site, e, new_body))
-        seen.add((id(site), new_body))
+        seen.add((site, new_body))
         if len(chosen) >= rescore:
             break
     # in the order of the code, so a cache of the tokens before each edit serves the next
     chosen.sort(key=lambda c: (sites.index(c[0]), c[1].at))
-    rows_of = {id(site): rows for site, rows in zip(sites, tops, strict=True)}
-    gains = await asyncio.gather(*(_gain(lm, site, e, rows_of[id(site)]) for site, e, _ in chosen))
+    rows_of = dict(zip(sites, tops, strict=True))  # a site is hashed by identity
+    gains = await asyncio.gather(*(_gain(lm, site, e, rows_of[site]) for site, e, _ in chosen))
     out: list[Proposal] = []
     for (site, _, new_body), gain in zip(chosen, gains, strict=True):
         if math.isfinite(gain):

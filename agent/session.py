@@ -828,20 +828,25 @@ class Session:
         )
         return repaired, new_calls, [c for c in new_calls if c.index >= start]
 
+    def _rerun_limit(self, command: str, times: float) -> float | None:
+        """Seconds for another run of `command`, the session's failing check: `times`
+        what a trial run of it gets; None when it is not that check."""
+        found = failing_check(self.turns)
+        if found is None or found[0] != command:
+            return None
+        return min(times * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
+
     def _guarded(self, command: str, check: alternatives.Check) -> alternatives.Check:
         """`check`, and for an edit that passes it, no test of the failing test's files
         failing that did not fail before (`localize.guard_command`): the failing test
         alone can be made to pass by breaking what it shares with the others. The
         files' tests run once as they are, when the first edit passes; if that run
         cannot finish in time, the command alone decides."""
-        found = failing_check(self.turns)
-        if found is None or found[0] != command:
-            return check
-        guard = localize.guard_command(command, _failing_output(self.turns, command))
-        if guard is None:
-            return check
         # more tests than the failing command's, each run given some time
-        limit = min(4 * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
+        limit = self._rerun_limit(command, 4.0)
+        guard = localize.guard_command(command, _failing_output(self.turns, command))
+        if limit is None or guard is None:
+            return check
         root = Path(self.workspace.root)
         before: list[frozenset[str] | None] = []
         lock = asyncio.Lock()
@@ -873,11 +878,9 @@ class Session:
         """The workspace's functions the failing test called, the last called first:
         the failing command run once more, read-only, with a profiler
         (`localize.failing_calls`); [] when that cannot be done."""
-        found = failing_check(self.turns)
-        if found is None or found[0] != command:
+        limit = self._rerun_limit(command, 2.0)  # a profiled run is slower than a plain one
+        if limit is None:
             return []
-        # a profiled run is slower than a plain one
-        limit = min(2 * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
         root = Path(self.workspace.root)
 
         async def run(traced: str, folder: Path) -> None:

@@ -388,6 +388,7 @@ class VLLMModel:
         await self.start()
         check_fits(len(ids) + 1, self.context_window)
         final: Any = None
+        held = 0
         for cached in (True, False):
             params = SamplingParams(
                 max_tokens=1,
@@ -408,7 +409,6 @@ class VLLMModel:
             if held < max(first, 1):
                 break
         rows = list(final.prompt_logprobs or [])
-        held = final.num_cached_tokens or 0
         return [None if i <= held else row for i, row in enumerate(rows)]
 
     async def greedy(

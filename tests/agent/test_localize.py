@@ -113,7 +113,7 @@ def test_the_failing_test_is_found_by_its_frame_then_its_name_then_the_whole_run
 def test_a_record_cut_short_is_skipped(tmp_path):
     (tmp_path / "1.json").write_text('{"tests": [')  # a process killed while it wrote
     (tmp_path / "2.json").write_text(json.dumps({"tests": [], "all": [["/w/a.py", 1, "f", 1]]}))
-    assert localize.read_trace(tmp_path, "/w") == {"tests": [], "all": [["/w/a.py", 1, "f", 1]]}
+    assert localize.read_trace(tmp_path) == {"tests": [], "all": [["/w/a.py", 1, "f", 1]]}
 
 
 CHECK_TEST = (
