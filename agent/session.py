@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opencomposer.agent import alternatives, localize, repair
+from opencomposer.agent import alternatives, localize, repair, trials
 from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
@@ -703,7 +703,7 @@ class Session:
         )
         index, checked = ranked.index, None
         if len(replies) > 1 and (trial := self._trial()) is not None:
-            command, check = trial
+            command, check, _ = trial
             tried = await alternatives.first_passing(
                 self.workspace, ranked, check, self.config.trials_at_once
             )
@@ -722,14 +722,14 @@ class Session:
         output: TurnOutput,
         calls: list[ParsedCall],
         held: list[ParsedCall],
-        trial: tuple[str, alternatives.Check],
+        trial: tuple[str, alternatives.Check, float],
     ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]] | None:
         """The reply with its change replaced by the first of the model's own small
         edits (`repair.propose`) that passes the failing command, when the change itself
         does not, or with that edit added when the reply changes nothing (`held` empty)
         and the code as it is still fails; None when the change or the code passes, or
         no edit does in the time left."""
-        command, check = trial
+        command, check, deadline = trial
         t0 = self.clock.now()
         runs = 0
         own = alternatives.preview(self.workspace, held)
@@ -765,17 +765,19 @@ class Session:
             log.warning("session %s: no edits proposed: %s", self.id, e)
             return None
         proposed_s = self.clock.now() - t0
+        order, forked = await self._forked_order(command, proposals, deadline)
         tried = await alternatives.first_that_passes(
-            [{p.path: p.after} for p in proposals],
+            [{proposals[i].path: proposals[i].after} for i in order],
             self._guarded(command, check),
             self.config.trials_at_once,
         )
         runs += tried.runs
-        found = None if tried.index is None else proposals[tried.index]
+        found = None if tried.index is None else proposals[order[tried.index]]
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
             "proposals": len(proposals),
+            **({"forked": forked} if forked else {}),
             "runs": runs,
             "propose_s": round(proposed_s, 2),
             "seconds": round(self.clock.now() - t0, 2),
@@ -874,6 +876,54 @@ class Session:
 
         return guarded
 
+    async def _forked_order(
+        self, command: str, proposals: Sequence[repair.Proposal], deadline: float
+    ) -> tuple[list[int], dict[str, Any]]:
+        """The order in which to give `proposals` real trial runs: those that passed a
+        forked run of the failing command (`agent/trials.py`), then those it could not
+        tell, leaving out those that failed it; every one in its order when no forked
+        run could be made. The second value counts each verdict."""
+        every = list(range(len(proposals)))
+        found = failing_check(self.turns)
+        if not proposals or found is None or found[0] != command:
+            return every, {}
+        each = max(TRIAL_MIN_S, TRIAL_FACTOR * found[1])
+        # what is left of the turn's trial time, less what real runs of two candidates take
+        limit = min(deadline - self.clock.now() - 2 * each, self.ctx.sandbox.timeout_s)
+        if limit < TRIAL_MIN_S:
+            return every, {}
+        root = Path(self.workspace.root)
+
+        async def run(line: str, folder: Path) -> None:
+            await run_sandboxed(
+                line, root=root, config=self.ctx.sandbox, timeout_s=limit, files={}, scratch=folder
+            )
+
+        t0 = self.clock.now()
+        try:
+            verdicts = await trials.forked(
+                command,
+                str(root),
+                [{p.path: p.after} for p in proposals],
+                run,
+                each_s=each,
+                at_once=self.config.trials_at_once,
+            )
+        except (ToolError, OSError) as e:
+            log.info("session %s: no forked run of %r: %s", self.id, command, e)
+            return every, {}
+        if verdicts is None:
+            return every, {"passed": None, "seconds": round(self.clock.now() - t0, 2)}
+        passed = [i for i, v in enumerate(verdicts) if v]
+        unknown = [i for i, v in enumerate(verdicts) if v is None]
+        counts = {
+            "passed": len(passed),
+            "failed": len(verdicts) - len(passed) - len(unknown),
+            "unknown": len(unknown),
+            "seconds": round(self.clock.now() - t0, 2),
+        }
+        return passed + unknown, counts
+
     async def _failing_calls(self, command: str) -> list[tuple[str, int]]:
         """The workspace's functions the failing test called, the last called first:
         the failing command run once more, read-only, with a profiler
@@ -901,10 +951,11 @@ class Session:
             log.info("session %s: no profiled run of %r: %s", self.id, command, e)
             return []
 
-    def _trial(self) -> tuple[str, alternatives.Check] | None:
-        """(command, check) that tries a candidate's files against the model's last
-        failing command (`failing_check`), within `verify_s` seconds for the turn; None
-        when there is no such command or the policy would ask before running it."""
+    def _trial(self) -> tuple[str, alternatives.Check, float] | None:
+        """(command, check, deadline) that tries a candidate's files against the model's
+        last failing command (`failing_check`), by the session's clock's `deadline`
+        (`verify_s` seconds for the turn); None when there is no such command or the
+        policy would ask before running it."""
         found = failing_check(self.turns) if self.config.verify_s > 0 else None
         if found is None:
             return None
@@ -933,7 +984,7 @@ class Session:
                 return None
             return result.ok
 
-        return command, check
+        return command, check, deadline
 
     # -- tools ------------------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""Candidate edits tried in one forked pytest run (`agent/trials.py`): which commands
+it takes, a real run in the sandbox with each kind of verdict, and a session whose
+repair uses it and still keeps only what a real trial run passes."""
+
+from pathlib import Path
+
+from opencomposer.agent import trials
+from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.tools.protocols import SandboxConfig
+from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
+from opencomposer.tools.workspace import LocalWorkspace
+
+from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, run
+
+TEST = "from m import pick\n\n\ndef test_pick():\n    assert pick(2, 2) == 2 and pick(3, 1) == 0\n"
+CHECK = "python -m pytest -q -p no:cacheprovider test_m.py"
+
+
+def test_only_a_plain_pytest_command_is_run_forked():
+    p = trials.plan("PYTHONPATH=src:.deps python3 -m pytest -x -q 'tests/test a.py'")
+    assert p == trials.Plan(("PYTHONPATH=src:.deps",), "python3", True, ("-x", "-q", "tests/test a.py"))  # fmt: skip
+    assert trials.plan(".venv/bin/pytest -k pick") == trials.Plan((), "python", False, ("-k", "pick"))  # fmt: skip
+    for command in (
+        "python -m pytest -q | tail",
+        "cd src && pytest",
+        "python -c 'import m'",
+        "python -m unittest",
+        "X=$HOME pytest",
+        "pytest 'unclosed",
+        "",
+    ):
+        assert trials.plan(command) is None, command
+
+
+def workspace(root: Path) -> Path:
+    root.mkdir()
+    (root / "m.py").write_text(PICK)
+    (root / "other.py").write_text("def other():\n    return 1\n")
+    (root / "test_m.py").write_text(TEST)
+    return root
+
+
+async def forked(root: Path, command: str, candidates, each_s=5.0, stop_after=4):
+    assert bwrap_path(), "bubblewrap is missing: run `make system-deps`"
+    config = SandboxConfig(mode="read-only")
+
+    async def go(line: str, folder: Path) -> None:
+        await run_sandboxed(line, root=root, config=config, files={}, scratch=folder)
+
+    return await trials.forked(
+        command, str(root), candidates, go, each_s=each_s, stop_after=stop_after
+    )
+
+
+async def test_each_candidate_gets_its_own_verdict(tmp_path):
+    root = workspace(tmp_path / "repo")
+    wrong = {"m.py": PICK.replace("return lo", "return hi")}
+    right = {"m.py": PICK.replace("lo < hi", "lo <= hi")}
+    unread = {"other.py": "def other():\n    return 2\n"}  # no test imports it
+    stuck = {"m.py": PICK.replace("    if lo < hi:", "    while True:\n        pass\n    if 1:")}
+    broken = {"m.py": PICK.replace("if lo", "if (lo")}
+    got = await forked(root, CHECK, [wrong, right, unread, stuck, broken], each_s=3.0)
+    assert got == [False, True, None, False, False]
+    assert (root / "m.py").read_text() == PICK
+    assert not list(root.rglob("__pycache__"))  # the run wrote nothing in the workspace
+
+
+async def test_the_run_stops_after_enough_have_passed(tmp_path):
+    root = workspace(tmp_path / "repo")
+    right = {"m.py": PICK.replace("lo < hi", "lo <= hi")}
+    wrong = {"m.py": PICK.replace("return lo", "return hi")}
+    got = await forked(root, CHECK, [right, wrong, wrong, wrong, wrong], stop_after=1)
+    # two run side by side: the first pass ends the run once those running are done
+    assert got[0] is True and got[3:] == [None, None]
+
+
+async def test_no_verdicts_when_the_code_passes_or_the_command_is_not_plain_pytest(tmp_path):
+    root = workspace(tmp_path / "repo")
+    right = {"m.py": PICK.replace("lo < hi", "lo <= hi")}
+    (root / "m.py").write_text(right["m.py"])
+    # the code as it is passes here: what the run says of a candidate cannot be trusted
+    assert await forked(root, CHECK, [right]) is None
+    assert await forked(root, f"{CHECK} | tail -1", [right]) is None
+    # a Python without pytest: nothing comes back
+    assert await forked(root, "python -I -m pytest -q test_m.py", [right]) is None
+
+
+async def test_a_forked_pass_is_kept_only_after_a_real_trial_run_passes(repo, store, monkeypatch):
+    """Every candidate said to pass a forked run still gets a real trial run before it is
+    kept: with a run that says all pass, the repair keeps the one that truly does."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(TEST)
+    wrong = edit("        return lo", "        return hi")
+
+    async def all_pass(command, root, candidates, run, **kw):
+        return [True] * len(candidates)
+
+    model = Repairing([run(CHECK), "A fix.\n" + wrong, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    monkeypatch.setattr(trials, "forked", all_pass)
+    result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    meta = result.turns[1].output.meta["repair"]
+    assert meta["forked"]["passed"] == meta["proposals"] and meta["runs"] >= 2
+
+
+async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(TEST)
+    wrong = edit("        return lo", "        return hi")
+    model = Repairing([run(CHECK), "A fix.\n" + wrong, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    meta = result.turns[1].output.meta["repair"]
+    forked = meta["forked"]
+    assert forked["passed"] >= 1 and forked["failed"] >= 1
+    assert forked["passed"] + forked["failed"] + forked["unknown"] == meta["proposals"]
+    # the change's own run, the first forked pass's real run and the guard's two
+    assert meta["runs"] <= 1 + forked["passed"] + forked["unknown"]
