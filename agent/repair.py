@@ -23,6 +23,8 @@ masked-language-model program repair does, with a causal model:
    tokens it replaces and the same tokens after them), with all the code before as
    context. The code up to the edit is shared with the first pass, so a backend with
    a prefix cache reads only the window; the candidates are returned best first.
+   Up to `TAIL` more that pass the same checks follow them, unscored, by first-order
+   gain: trial runs that share one start (`agent/trials.py`) cost less than scores.
 
 Nothing here knows a kind of bug: every token proposed is the model's. The session
 tries the candidates against the model's own failing command in trial runs that change
@@ -35,6 +37,7 @@ import ast
 import asyncio
 import heapq
 import io
+import itertools
 import math
 import re
 import tokenize
@@ -58,6 +61,9 @@ EXPAND_TOKENS = 16
 # tokens from one batch to another).
 RESCORE = 96
 RESCORE_TOKENS = 64
+# Candidates after those, not scored exactly, returned after them by first-order gain:
+# a repair whose trial runs are cheap (`agent/trials.py`) tries them too.
+TAIL = 128
 # Lines of code in focus at most, summed over the spans.
 FOCUS_LINES = 160
 
@@ -121,6 +127,7 @@ class Proposal:
     old: str  # the lines the edit changes, as they are
     new: str  # and as the edit makes them
     gain: float  # log P(code after the edit) - log P(code now), over the edit's window
+    exact: bool = True  # False: `gain` is the first-order estimate (`TAIL`)
 
 
 def is_test_file(path: str) -> bool:
@@ -222,6 +229,7 @@ def _shape(path: str, text: str) -> tuple[list[str], str] | None:
         return [], text
     try:
         tree = ast.parse(text)
+        compile(tree, path, "exec", dont_inherit=True)  # what parses yet cannot run: `*a`
     except (SyntaxError, ValueError):
         return None
     names = []
@@ -276,38 +284,31 @@ async def propose(
     k: int = TOP_K,
     expand: int = EXPAND,
     rescore: int = RESCORE,
+    tail: int = TAIL,
 ) -> list[Proposal]:
-    """Candidate edits of `spans` (in the files `texts`), best first by exact gain. The
-    edits of all spans compete for the `expand` continuations and the `rescore` exact
-    scores on their first-order gains."""
+    """Candidate edits of `spans` (in the files `texts`), best first by exact gain, then
+    up to `tail` more by first-order gain. The edits of all spans compete for the
+    `expand` continuations and the `rescore` exact scores on their first-order gains."""
     sites = [s for span in _merged(spans) if (s := _site(tok, texts[span.path], span)) is not None]
     edits: list[tuple[_Site, _Edit]] = []
     tops = await asyncio.gather(*(lm.top_tokens(s.prompt, s.offset, k) for s in sites))
     for site, rows in zip(sites, tops, strict=True):
         if len(rows) == len(site.ids):
             edits += [(site, e) for e in _edits(tok, site, rows)]
-    best = heapq.nlargest(max(expand, rescore), edits, key=lambda se: se[1].first_order)
+    # about a third of the edits do not parse, or change a comment or a name the file
+    # defines: the tail is drawn from twice its size
+    top = max(expand, rescore)
+    best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
     grown: list[tuple[_Site, _Edit]] = []
     for site in sites:
         # in the order of the code, so a cache of the tokens before each edit serves the next
         mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
         grown += [(site, e) for e in await _grow(lm, tok, site, mine)]
-    chosen: list[tuple[_Site, _Edit, str]] = []
     seen: set[tuple[_Site, str]] = set()
     # best first by first-order gain, an edit's continuations before it
-    for site, e in sorted([*grown, *best], key=lambda se: -se[1].first_order):
-        new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
-        if new_body == site.body or (site, new_body) in seen:
-            continue
-        shape = _shape(site.span.path, site.head + new_body + site.tail)
-        if shape is None or site.shape is None or shape[0] != site.shape[0]:
-            continue  # it does not parse, or renames what the file defines
-        if shape[1] == site.shape[1]:
-            continue  # a comment, a docstring or the layout: the code does the same
-        chosen.append((site, e, new_body))
-        seen.add((site, new_body))
-        if len(chosen) >= rescore:
-            break
+    first = iter(sorted([*grown, *best[:top]], key=lambda se: -se[1].first_order))
+    chosen = _kept(tok, first, rescore, seen)
+    rest = _kept(tok, itertools.chain(first, best[top:]), tail, seen)
     # in the order of the code, so a cache of the tokens before each edit serves the next
     chosen.sort(key=lambda c: (sites.index(c[0]), c[1].at))
     rows_of = dict(zip(sites, tops, strict=True))  # a site is hashed by identity
@@ -319,6 +320,34 @@ async def propose(
             old, new = _changed_lines(site.text, after)
             out.append(Proposal(site.span.path, after, old, new, gain))
     out.sort(key=lambda p: -p.gain)
+    for site, e, new_body in rest:
+        after = site.head + new_body + site.tail
+        old, new = _changed_lines(site.text, after)
+        out.append(Proposal(site.span.path, after, old, new, e.first_order, exact=False))
+    return out
+
+
+def _kept(
+    tok: Tokens, edits: Iterable[tuple[_Site, _Edit]], most: int, seen: set[tuple[_Site, str]]
+) -> list[tuple[_Site, _Edit, str]]:
+    """The first `most` of `edits` that still parse, keep the names the file defines and
+    change what the code does, each with its site's new text, none twice (`seen`)."""
+    out: list[tuple[_Site, _Edit, str]] = []
+    if most <= 0:
+        return out
+    for site, e in edits:
+        new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
+        if new_body == site.body or (site, new_body) in seen:
+            continue
+        shape = _shape(site.span.path, site.head + new_body + site.tail)
+        if shape is None or site.shape is None or shape[0] != site.shape[0]:
+            continue  # it does not parse, or renames what the file defines
+        if shape[1] == site.shape[1]:
+            continue  # a comment, a docstring or the layout: the code does the same
+        out.append((site, e, new_body))
+        seen.add((site, new_body))
+        if len(out) >= most:
+            break  # what is left of `edits` is not read
     return out
 
 

@@ -74,6 +74,9 @@ STUCK_TURNS = 3
 # what the failing command took, and at least TRIAL_MIN_S seconds.
 TRIAL_FACTOR = 3.0
 TRIAL_MIN_S = 5.0
+# A forked run of a repair's candidates (`agent/trials.py`) stops after this many pass
+# it: each then needs a real trial run, and most that pass there pass that too.
+FORKED_PASSES = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -822,7 +825,12 @@ class Session:
             completion_logprobs=None,
             meta={
                 **output.meta,
-                "repair": {**meta, "gain": round(found.gain, 3), "replaced": replaced},
+                "repair": {
+                    **meta,
+                    "gain": round(found.gain, 3),
+                    "exact": found.exact,
+                    "replaced": replaced,
+                },
             },
         )
         log.info(
@@ -888,8 +896,8 @@ class Session:
         if not proposals or found is None or found[0] != command:
             return every, {}
         each = max(TRIAL_MIN_S, TRIAL_FACTOR * found[1])
-        # what is left of the turn's trial time, less what real runs of two candidates take
-        limit = min(deadline - self.clock.now() - 2 * each, self.ctx.sandbox.timeout_s)
+        # what is left of the turn's trial time, less a real run of what passes here
+        limit = min(deadline - self.clock.now() - each, self.ctx.sandbox.timeout_s)
         if limit < TRIAL_MIN_S:
             return every, {}
         root = Path(self.workspace.root)
@@ -908,6 +916,7 @@ class Session:
                 run,
                 each_s=each,
                 at_once=self.config.trials_at_once,
+                stop_after=FORKED_PASSES,
             )
         except (ToolError, OSError) as e:
             log.info("session %s: no forked run of %r: %s", self.id, command, e)

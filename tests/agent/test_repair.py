@@ -157,15 +157,31 @@ async def test_propose_finds_the_edits_the_model_expects():
     best = got[0]
     assert best.after == text.replace("lo < hi", "lo <= hi")
     assert (best.old, best.new) == ("    if lo < hi:\n", "    if lo <= hi:\n")
-    assert best.gain > 0 and all(a.gain >= b.gain for a, b in zip(got[:-1], got[1:], strict=True))
-    for p in got:  # every proposal parses and keeps the names it defines
-        assert p.after != text and "def pick(lo, hi):" in p.after
+    exact = [p for p in got if p.exact]
+    assert got[: len(exact)] == exact  # those scored exactly first, best first
+    assert best.gain > 0 and all(a.gain >= b.gain for a, b in zip(exact, exact[1:], strict=False))
+    for p in got:  # every proposal compiles and keeps the names it defines
+        assert p.after != text and "def pick(lo," in p.after and " hi):" in p.after
         compile(p.after, "m.py", "exec")
     # an insertion of several tokens, continued until the model meets the code again
     text = "def total(pairs):\n    return sum(p for p, q in pairs)\n"
     got = await repair.propose(lm, lm.tok, {"t.py": text}, [repair.Span("t.py", 0, 2)])
     fixed = text.replace("sum(p for", "sum(p * q for")
     assert fixed in [p.after for p in got]
+
+
+async def test_past_the_exact_scores_come_more_edits_by_first_order_gain():
+    lm = NGram(KNOWN)
+    text = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n"
+    span = [repair.Span("m.py", 0, 4)]
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, span, rescore=0, tail=64)
+    assert got and not any(p.exact for p in got) and len(got) <= 64
+    assert all(a.gain >= b.gain for a, b in zip(got, got[1:], strict=False))
+    assert text.replace("lo < hi", "lo <= hi") in [p.after for p in got]
+    some = await repair.propose(lm, lm.tok, {"m.py": text}, span, rescore=4, tail=8)
+    assert [p.exact for p in some] == [True] * 4 + [False] * (len(some) - 4)
+    # the tail goes on where the exact scores stop, in first-order order
+    assert [p.after for p in some[4:]] == [p.after for p in got[4 : len(some)]]
 
 
 async def test_the_model_may_write_the_rest_of_a_line_anew():
