@@ -339,7 +339,7 @@ def _kept(
         new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
         if new_body == site.body or (site, new_body) in seen:
             continue
-        shape = _shape(site.span.path, site.head + new_body + site.tail)
+        shape = _shape(site.span.path, site.checked(new_body))
         if shape is None or site.shape is None or shape[0] != site.shape[0]:
             continue  # it does not parse, or renames what the file defines
         if shape[1] == site.shape[1]:
@@ -393,7 +393,20 @@ class _Site:
     kept: frozenset[int]  # the indices of `ids` no edit touches (`_kept_tokens`)
     prompt: list[int]  # the code above, then `ids`
     offset: int  # where `ids` start in `prompt`
-    shape: tuple[list[str], str] | None  # `_shape` of `text`
+    shape: tuple[list[str], str] | None  # `_shape` of `_region(body)`, else of `text`
+    whole: bool  # the region did not compile alone: candidates are checked in `text`
+
+    def checked(self, body: str) -> str:
+        """What `_shape` reads of a candidate's `body`: its region, or its whole file."""
+        return self.head + body + self.tail if self.whole else _region(body)
+
+
+def _region(body: str) -> str:
+    """A span's code as a module of its own: one that starts indented (a method) is put
+    under `if 1:`. Checking a candidate there costs a function's parse, not its file's;
+    nothing outside the span changes."""
+    first = next((line for line in body.splitlines() if line.strip()), "")
+    return "if 1:\n" + body if first[:1] in (" ", "\t") else body
 
 
 def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
@@ -408,8 +421,12 @@ def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
     tail = "".join(lines[span.end :])
     pieces = [tok.decode([t]) for t in ids]
     kept = _kept_tokens(text, len(head), pieces) if span.path.endswith(".py") else frozenset()
-    shape = _shape(span.path, text)
-    return _Site(span, text, head, body, tail, ids, pieces, kept, lead + ids, len(lead), shape)
+    shape, whole = _shape(span.path, _region(body)), False
+    if shape is None:  # e.g. a `nonlocal` whose binding lies outside the span
+        shape, whole = _shape(span.path, text), True
+    return _Site(
+        span, text, head, body, tail, ids, pieces, kept, lead + ids, len(lead), shape, whole
+    )
 
 
 def _edits(

@@ -306,3 +306,23 @@ async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, stor
     assert turn.calls[1].result.status == "ok" and "repair" in turn.output.meta
     assert "repair" not in result.turns[2].output.meta  # the code passes: nothing to add
     assert [c.name for c in result.turns[2].calls] == ["read_file"]
+
+
+async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():
+    # the inner function's `nonlocal` is bound outside its span: alone it does not
+    # compile, so candidates are checked in the whole file, and still proposed
+    lm = NGram(KNOWN)
+    text = (
+        "def outer(lo, hi):\n"
+        "    n = 0\n"
+        "    def pick():\n"
+        "        nonlocal n\n"
+        "        if lo < hi:\n"
+        "            return lo\n"
+        "        return hi\n"
+        "    return pick()\n"
+    )
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, [repair.Span("m.py", 2, 7)])
+    assert text.replace("lo < hi", "lo <= hi") in [p.after for p in got]
+    for p in got:
+        compile(p.after, "m.py", "exec")
