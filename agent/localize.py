@@ -208,6 +208,36 @@ def guard_command(command: str, output: str) -> str | None:
     An edit that makes the failing test pass must not fail another test of them (one
     that `return 0` in place of a result fixes in passing). None for a command that is
     not a plain pytest run (a pipe, `&&`, a variable)."""
+    split = _pytest_words(command)
+    if split is None:
+        return None
+    head, rest = split
+    kept, paths = _unchosen(rest)
+    if not paths:
+        failed = [m.split("::", 1)[0] for m in _FAILED.findall(output)]
+        if not failed:
+            return None
+        kept += list(dict.fromkeys(failed))
+    extra = ["-p", "no:cacheprovider", "-rfE", "-q"]
+    return shlex.join([*head, *kept, *extra])
+
+
+def narrowed_command(command: str, output: str) -> str | None:
+    """A pytest command that runs only the tests `command` failed, by the node ids its
+    output's summary gives: `command` with its choice of tests (paths, `-k`, `-x`, …)
+    taken out and those ids put in. Passing them is what a fix must do first; None when
+    `command` is not a plain pytest run or its output names no failed test."""
+    split = _pytest_words(command)
+    failed = sorted(failed_tests(output))
+    if split is None or not failed:
+        return None
+    head, rest = split
+    kept, paths = _unchosen(rest)
+    return shlex.join([*head, *(w for w in kept if w not in paths), *failed])
+
+
+def _pytest_words(command: str) -> tuple[list[str], list[str]] | None:
+    """(the words up to `pytest`, those after), for a command with no shell syntax."""
     if _SHELL.search(command):
         return None
     try:
@@ -217,7 +247,12 @@ def guard_command(command: str, output: str) -> str | None:
     at = next((i for i, w in enumerate(words) if w == "pytest" or w.endswith("/pytest")), None)
     if at is None:
         return None
-    head, rest = words[: at + 1], words[at + 1 :]
+    return words[: at + 1], words[at + 1 :]
+
+
+def _unchosen(rest: list[str]) -> tuple[list[str], list[str]]:
+    """(pytest's arguments `rest` without the options that choose or stop the tests
+    run, the paths among them with any `::name` taken off; each path once)."""
     kept: list[str] = []
     paths: list[str] = []
     skip = False
@@ -236,13 +271,7 @@ def guard_command(command: str, output: str) -> str | None:
                 continue
             paths.append(w)
         kept.append(w)
-    if not paths:
-        failed = [m.split("::", 1)[0] for m in _FAILED.findall(output)]
-        if not failed:
-            return None
-        kept += list(dict.fromkeys(failed))
-    extra = ["-p", "no:cacheprovider", "-rfE", "-q"]
-    return shlex.join([*head, *kept, *extra])
+    return kept, paths
 
 
 def failed_tests(output: str) -> frozenset[str]:

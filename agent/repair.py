@@ -41,6 +41,7 @@ import itertools
 import math
 import re
 import tokenize
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -229,7 +230,9 @@ def _shape(path: str, text: str) -> tuple[list[str], str] | None:
         return [], text
     try:
         tree = ast.parse(text)
-        compile(tree, path, "exec", dont_inherit=True)  # what parses yet cannot run: `*a`
+        with warnings.catch_warnings():  # `"a" "b"()`: a candidate's, not the code's
+            warnings.simplefilter("ignore")
+            compile(tree, path, "exec", dont_inherit=True)  # parses, yet cannot run: `*a`
     except (SyntaxError, ValueError):
         return None
     names = []

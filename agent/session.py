@@ -74,9 +74,6 @@ STUCK_TURNS = 3
 # what the failing command took, and at least TRIAL_MIN_S seconds.
 TRIAL_FACTOR = 3.0
 TRIAL_MIN_S = 5.0
-# A forked run of a repair's candidates (`agent/trials.py`) stops after this many pass
-# it: each then needs a real trial run, and most that pass there pass that too.
-FORKED_PASSES = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -768,14 +765,9 @@ class Session:
             log.warning("session %s: no edits proposed: %s", self.id, e)
             return None
         proposed_s = self.clock.now() - t0
-        order, forked = await self._forked_order(command, proposals, deadline)
-        tried = await alternatives.first_that_passes(
-            [{proposals[i].path: proposals[i].after} for i in order],
-            self._guarded(command, check),
-            self.config.trials_at_once,
-        )
-        runs += tried.runs
-        found = None if tried.index is None else proposals[order[tried.index]]
+        index, tried_runs, forked = await self._first_passing(command, proposals, check, deadline)
+        runs += tried_runs
+        found = None if index is None else proposals[index]
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
@@ -884,22 +876,69 @@ class Session:
 
         return guarded
 
-    async def _forked_order(
+    async def _first_passing(
+        self,
+        command: str,
+        proposals: Sequence[repair.Proposal],
+        check: alternatives.Check,
+        deadline: float,
+    ) -> tuple[int | None, int, dict[str, Any]]:
+        """(the index of the first of `proposals` that passes `check` and the guard, or
+        None; the real trial runs made; what the forked runs found).
+
+        A plain pytest command first has the candidates tried in a forked run
+        (`agent/trials.py`) that stops at the first that passes there. That one, and
+        any before it the run could not tell, then get real trial runs; if none passes,
+        another forked run takes the candidates after it. A candidate is never taken on
+        a forked run's word alone. Without a forked run, each gets a real run in turn."""
+        guarded = self._guarded(command, check)
+        todo = list(range(len(proposals)))
+        runs = 0
+        counts: dict[str, Any] = {}
+        while todo:
+            verdicts, seconds = await self._forked(command, [proposals[i] for i in todo], deadline)
+            if verdicts is None:
+                real = todo  # no forked run (any more): real runs for what is left
+            else:
+                for key, n in (
+                    ("passed", sum(v is True for v in verdicts)),
+                    ("failed", sum(v is False for v in verdicts)),
+                    ("unknown", sum(v is None for v in verdicts)),
+                    ("rounds", 1),
+                ):
+                    counts[key] = counts.get(key, 0) + n
+                counts["seconds"] = round(counts.get("seconds", 0.0) + seconds, 2)
+                cut = next((k for k, v in enumerate(verdicts) if v), len(verdicts) - 1)
+                real = [todo[k] for k in range(cut + 1) if verdicts[k] is not False]
+            tried = await alternatives.first_that_passes(
+                [{proposals[i].path: proposals[i].after} for i in real],
+                guarded,
+                self.config.trials_at_once,
+            )
+            runs += tried.runs
+            if tried.index is not None:
+                return real[tried.index], runs, counts
+            if verdicts is None or not any(verdicts):
+                break  # every candidate was tried, or the time is spent
+            todo = todo[cut + 1 :]
+        return None, runs, counts
+
+    async def _forked(
         self, command: str, proposals: Sequence[repair.Proposal], deadline: float
-    ) -> tuple[list[int], dict[str, Any]]:
-        """The order in which to give `proposals` real trial runs: those that passed a
-        forked run of the failing command (`agent/trials.py`), then those it could not
-        tell, leaving out those that failed it; every one in its order when no forked
-        run could be made. The second value counts each verdict."""
-        every = list(range(len(proposals)))
+    ) -> tuple[list[trials.Verdict] | None, float]:
+        """A forked run of `proposals` against `command`, the session's failing check,
+        up to the first that passes, within what is left of the turn's trial time less
+        a real run; (None, seconds) when none can be made or it cannot be trusted. The
+        run has only the tests the command failed collected and run
+        (`localize.narrowed_command`): a `-k` over a whole folder otherwise imports
+        every test file again for every candidate."""
         found = failing_check(self.turns)
         if not proposals or found is None or found[0] != command:
-            return every, {}
+            return None, 0.0
         each = max(TRIAL_MIN_S, TRIAL_FACTOR * found[1])
-        # what is left of the turn's trial time, less a real run of what passes here
         limit = min(deadline - self.clock.now() - each, self.ctx.sandbox.timeout_s)
         if limit < TRIAL_MIN_S:
-            return every, {}
+            return None, 0.0
         root = Path(self.workspace.root)
 
         async def run(line: str, folder: Path) -> None:
@@ -907,31 +946,22 @@ class Session:
                 line, root=root, config=self.ctx.sandbox, timeout_s=limit, files={}, scratch=folder
             )
 
+        narrow = localize.narrowed_command(command, _failing_output(self.turns, command))
         t0 = self.clock.now()
         try:
             verdicts = await trials.forked(
-                command,
+                narrow or command,
                 str(root),
                 [{p.path: p.after} for p in proposals],
                 run,
                 each_s=each,
                 at_once=self.config.trials_at_once,
-                stop_after=FORKED_PASSES,
+                stop_after=1,
             )
         except (ToolError, OSError) as e:
             log.info("session %s: no forked run of %r: %s", self.id, command, e)
-            return every, {}
-        if verdicts is None:
-            return every, {"passed": None, "seconds": round(self.clock.now() - t0, 2)}
-        passed = [i for i, v in enumerate(verdicts) if v]
-        unknown = [i for i, v in enumerate(verdicts) if v is None]
-        counts = {
-            "passed": len(passed),
-            "failed": len(verdicts) - len(passed) - len(unknown),
-            "unknown": len(unknown),
-            "seconds": round(self.clock.now() - t0, 2),
-        }
-        return passed + unknown, counts
+            verdicts = None
+        return verdicts, self.clock.now() - t0
 
     async def _failing_calls(self, command: str) -> list[tuple[str, int]]:
         """The workspace's functions the failing test called, the last called first:

@@ -16,7 +16,9 @@ it as data) is marked unknown. The session makes a real trial run of each candid
 that passed here, or that is unknown, before it keeps one (`Session._repair`), so a
 forked run can only make a repair try fewer candidates that fail, never keep one that
 fails. Only a plain pytest command (no pipe, no `&&`, no variable but leading
-assignments) is run this way (`plan`).
+assignments) is run this way (`plan`). A repair gives it the failing command narrowed
+to the tests that failed (`localize.narrowed_command`), which a fix must pass first;
+the real trial run has the command as the model wrote it.
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ def _main():
         index, t0 = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         out.write(json.dumps([index - 1, code, round(time.monotonic() - t0, 3)]) + "\\n")
-        if index == 0 and code == 0:
-            break  # the code as it is passes here: this run is not the command's
+        if index == 0 and code not in (1, 2):
+            break  # the code as it is must fail as tests fail: 1, or 2 (collection)
         passed += code == 0
         if passed >= stop:
             nxt = len(jobs)

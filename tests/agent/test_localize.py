@@ -157,6 +157,19 @@ def test_the_guard_runs_every_test_of_the_failing_tests_files():
     assert localize.failed_tests(failed) == {"t/test_a.py::test_x", "t/test_b.py::test_z"}
 
 
+def test_a_forked_run_has_only_the_failed_tests_collected():
+    failed = "FAILED t/test_a.py::C::test_x - assert 1 == 2\nERROR t/test_b.py::test_z - boom"
+    n = localize.narrowed_command
+    assert n("python -m pytest -x -q --tb=short -k test_x", failed) == (
+        "python -m pytest -q --tb=short t/test_a.py::C::test_x t/test_b.py::test_z"
+    )
+    assert n("PYTHONPATH=src pytest -p no:randomly t/ t/test_a.py::C", failed) == (
+        "PYTHONPATH=src pytest -p no:randomly t/test_a.py::C::test_x t/test_b.py::test_z"
+    )
+    for command, output in (("python -m pytest t/", "1 passed"), ("pytest | tail", failed)):
+        assert n(command, output) is None, command  # no failed test named; not plain pytest
+
+
 TWO_TESTS = (
     "from m import pick\n\n\n"
     "def test_pick():\n    assert pick(2, 2) == 2\n\n\n"

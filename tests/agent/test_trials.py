@@ -81,19 +81,24 @@ async def test_no_verdicts_when_the_code_passes_or_the_command_is_not_plain_pyte
     # the code as it is passes here: what the run says of a candidate cannot be trusted
     assert await forked(root, CHECK, [right]) is None
     assert await forked(root, f"{CHECK} | tail -1", [right]) is None
-    # a Python without pytest: nothing comes back
+    # options before `-m pytest`: not a command the forked run knows how to start
     assert await forked(root, "python -I -m pytest -q test_m.py", [right]) is None
+    # a test file that is not there fails every run alike (a usage error): the run
+    # stops at once
+    (root / "m.py").write_text(PICK)
+    assert await forked(root, "python -m pytest -q test_missing.py", [right] * 50) is None
 
 
 async def test_a_forked_pass_is_kept_only_after_a_real_trial_run_passes(repo, store, monkeypatch):
     """Every candidate said to pass a forked run still gets a real trial run before it is
-    kept: with a run that says all pass, the repair keeps the one that truly does."""
+    kept: with runs that say each first candidate passes, the repair keeps the one that
+    truly does."""
     (repo / "m.py").write_text(PICK)
     (repo / "test_m.py").write_text(TEST)
     wrong = edit("        return lo", "        return hi")
 
     async def all_pass(command, root, candidates, run, **kw):
-        return [True] * len(candidates)
+        return [True] + [None] * (len(candidates) - 1)  # it stops at its first pass
 
     model = Repairing([run(CHECK), "A fix.\n" + wrong, "Fixed."], KNOWN)
     cfg = SessionConfig(approve="all", repair=True)
@@ -101,7 +106,9 @@ async def test_a_forked_pass_is_kept_only_after_a_real_trial_run_passes(repo, st
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
     meta = result.turns[1].output.meta["repair"]
-    assert meta["forked"]["passed"] == meta["proposals"] and meta["runs"] >= 2
+    # a forked round a candidate: each says its first passes, and the real run says no,
+    # until the one that truly passes
+    assert meta["forked"]["rounds"] == meta["forked"]["passed"] == meta["runs"] - 1 >= 1
 
 
 async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
@@ -115,7 +122,6 @@ async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
     meta = result.turns[1].output.meta["repair"]
     forked = meta["forked"]
-    assert forked["passed"] >= 1 and forked["failed"] >= 1
-    assert forked["passed"] + forked["failed"] + forked["unknown"] == meta["proposals"]
-    # the change's own run, the first forked pass's real run and the guard's two
+    assert forked["rounds"] >= 1 and forked["passed"] >= 1 and forked["failed"] >= 1
+    # the change's own run, then a real run only for what passed a forked run
     assert meta["runs"] <= 1 + forked["passed"] + forked["unknown"]
