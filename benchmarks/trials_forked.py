@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
 import sys
 import tarfile
@@ -38,25 +37,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from heldout import cpu_model  # noqa: E402
 
 
-def narrowed(verify: str, node: str) -> str | None:
-    """The verify command with its test paths replaced by one failing test's node id."""
-    words = shlex.split(verify)
-    at = next((i for i, w in enumerate(words) if w == "pytest"), None)
-    if at is None:
-        return None
-    kept, skip = [], False
-    for w in words[at + 1 :]:
-        if skip:
-            kept.append(w)
-            skip = False
-        elif w in ("-p", "-k", "-m", "-c", "-W", "--rootdir"):
-            kept.append(w)
-            skip = True
-        elif w.startswith("-"):
-            kept.append(w)
-    return shlex.join([*words[: at + 1], *kept, node])
-
-
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=6)
@@ -65,7 +45,7 @@ async def main() -> int:
     ap.add_argument("--candidates", type=int, default=24)
     a = ap.parse_args()
 
-    from opencomposer.agent import trials
+    from opencomposer.agent import localize, trials
     from opencomposer.tools.protocols import SandboxConfig
     from opencomposer.tools.sandbox import run_sandboxed
     from opencomposer.training.catalog import load_suite
@@ -86,7 +66,8 @@ async def main() -> int:
     for task in tasks:
         solution = json.loads((task.dir / "solution.json").read_text())
         fix = solution["edits"][0]
-        command = narrowed(task.verify, solution["failing"][0])
+        # the verify command as a session's forked run narrows it, to the first failing test
+        command = localize.narrowed_command(task.verify, f"FAILED {solution['failing'][0]}")
         if command is None or len({e["path"] for e in solution["edits"]}) != 1:
             print(f"{task.id}: not one file, or not a pytest command; left out")
             continue
