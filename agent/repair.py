@@ -99,7 +99,8 @@ class TokenLM(Protocol):
         self, ids: list[int], first: int, k: int
     ) -> list[tuple[float, list[tuple[int, float]]]]:
         """For each position i in [first, len(ids)): (log P(ids[i] | ids[:i]), the k
-        likeliest tokens there as (id, log-probability), likeliest first)."""
+        likeliest tokens there as (id, log-probability), likeliest first; none for
+        k = 0)."""
         ...
 
     async def greedy(
@@ -363,7 +364,7 @@ async def _gain(
     end = min(len(site.ids), e.at + e.drop + RESCORE_TOKENS)
     start = site.offset + e.at
     new = await lm.top_tokens(
-        [*site.prompt[:start], *e.put, *site.ids[e.at + e.drop : end]], start, 1
+        [*site.prompt[:start], *e.put, *site.ids[e.at + e.drop : end]], start, 0
     )
     return sum(r[0] for r in new) - sum(r[0] for r in rows[e.at : end])
 

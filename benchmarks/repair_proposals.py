@@ -39,6 +39,8 @@ async def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split", default="heldout")
     ap.add_argument("--model", default="", help="a llama.cpp model folder (default: smollm2)")
+    ap.add_argument("--rescore", type=int, help="candidates scored exactly (repair.RESCORE)")
+    ap.add_argument("--tail", type=int, help="unscored candidates after them (repair.TAIL)")
     a = ap.parse_args()
 
     from opencomposer.agent import repair
@@ -75,7 +77,8 @@ async def main() -> int:
             texts = {fix["path"]: text}
             spans = repair.focus(texts, [(fix["path"], fix["line"] - 1)])
             t0 = time.perf_counter()
-            got = await repair.propose(model, model.tokenizer, texts, spans)
+            sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
+            got = await repair.propose(model, model.tokenizer, texts, spans, **sizes)
             seconds.append(time.perf_counter() - t0)
             rank = next((i for i, p in enumerate(got) if p.after == fixed), None)
             ranks.append(rank)

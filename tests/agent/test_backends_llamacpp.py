@@ -264,6 +264,36 @@ def test_top_tokens_and_greedy_are_the_models(tiny, cache) -> None:
     asyncio.run(main())
 
 
+def test_greedy_runs_prefixes_side_by_side_in_groups(tiny, cache, monkeypatch) -> None:
+    # more prefixes than sequences: they are decoded in groups, each a sequence of the
+    # cache sharing the cells before it, and sequence 0 (every turn's) is left holding
+    # what it says it holds
+    import torch
+    from opencomposer.agent.backends import llamacpp
+
+    folder, reference = tiny
+    monkeypatch.setattr(llamacpp, "GREEDY_SEQS", 3)
+
+    async def main():
+        model = LlamaCppModel(folder, qtype="f32", draft=0, threads=1)
+        ids = model.tokenizer.encode(CODE[:300])
+        prefixes = [ids[:n] for n in (12, 30, 18, 41, 41, 25, 7)]
+        try:
+            before = await model.top_tokens(ids, 5, 3)
+            got = await model.greedy(prefixes, 5, [-1] * len(prefixes))
+            after = await model.top_tokens(ids, 5, 3)
+        finally:
+            await model.close()
+        return before, got, after, prefixes
+
+    before, got, after, prefixes = asyncio.run(main())
+    assert after == before
+    for prefix, tokens in zip(prefixes, got, strict=True):
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([prefix]), max_new_tokens=5, do_sample=False)
+        assert tokens == out[0, len(prefix) :].tolist()
+
+
 def test_sampler_top_p_and_raw_logprobs() -> None:
     import numpy as np
 
@@ -377,3 +407,25 @@ def test_the_embedded_model_runs_a_batch_on_this_cpu() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "evaluated" in r.stdout, (r.returncode, r.stderr[-800:])
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 1000, 49152])
+def test_top_finds_the_likeliest_tokens_by_block(vocab) -> None:
+    # `_top` sorts only the vocabulary blocks that can hold the k likeliest tokens;
+    # it must agree with a full sort, for a vocabulary of any size
+    import numpy as np
+    from opencomposer.agent.backends.llamacpp import _top
+
+    rng = np.random.default_rng(vocab)
+    rows = (rng.standard_normal((7, vocab)) * 4).astype(np.float32)
+    targets = rng.integers(0, vocab, 7).tolist()
+    exact = rows.astype(np.float64)
+    exact -= np.log(np.exp(exact).sum(axis=1, keepdims=True))
+    for k in (0, 1, 4, 8):
+        got = _top(rows, targets, k)
+        for r, (here, top) in enumerate(got):
+            assert here == pytest.approx(exact[r, targets[r]], abs=1e-4)
+            assert [t for t, _ in top] == np.argsort(-exact[r])[: min(k, vocab)].tolist()
+            assert [lp for _, lp in top] == pytest.approx(
+                np.sort(exact[r])[::-1][: len(top)], abs=1e-4
+            )
