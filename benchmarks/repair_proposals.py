@@ -41,6 +41,11 @@ async def main() -> int:
     ap.add_argument("--model", default="", help="a llama.cpp model folder (default: smollm2)")
     ap.add_argument("--rescore", type=int, help="candidates scored exactly (repair.RESCORE)")
     ap.add_argument("--tail", type=int, help="unscored candidates after them (repair.TAIL)")
+    ap.add_argument(
+        "--rescore-tokens",
+        type=int,
+        help="code tokens an exact score reads (repair.RESCORE_TOKENS)",
+    )
     a = ap.parse_args()
 
     from opencomposer.agent import repair
@@ -49,6 +54,8 @@ async def main() -> int:
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.demos import spread
 
+    if a.rescore_tokens is not None:
+        repair.RESCORE_TOKENS = a.rescore_tokens
     tasks = spread(load_suite(f"corpus:{a.split}"), a.tasks, a.seed)
     if not tasks:
         print(f"error: the corpus has no {a.split} tasks (build it first)", file=sys.stderr)

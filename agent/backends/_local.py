@@ -99,6 +99,35 @@ def read_turn_budget(path: str | Path) -> int | None:
     return turns if isinstance(turns, int) and not isinstance(turns, bool) and turns > 0 else None
 
 
+# The tokenizer classes that are `tokenizers`' own fast tokenizer read from
+# tokenizer.json, whatever transformers calls it (v5 names it TokenizersBackend and
+# keeps PreTrainedTokenizerFast as an alias).
+_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The Hugging Face tokenizer of a model folder, as `AutoTokenizer` loads it. Where
+    the folder names the plain fast tokenizer (`_FAST_TOKENIZERS`) and has its
+    tokenizer.json, that class is loaded directly: `AutoTokenizer` imports the model
+    registry, generation and their dependencies first, ~7 s against ~1.5 s on 2 cores,
+    which a session's first turn waits for."""
+    folder = Path(path)
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in _FAST_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # an older transformers: its AutoTokenizer knows the class
+            pass
+        else:
+            return TokenizersBackend.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 class ChatTokenizer:
     """A lazily loaded Hugging Face tokenizer with the model's chat template."""
 
@@ -112,9 +141,7 @@ class ChatTokenizer:
         if self._tok is None:
             with self._lock:
                 if self._tok is None:
-                    from transformers import AutoTokenizer
-
-                    self._tok = AutoTokenizer.from_pretrained(self.path)
+                    self._tok = load_tokenizer(self.path)
         return self._tok
 
     def count(self, text: str) -> int:

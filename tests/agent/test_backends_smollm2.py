@@ -95,3 +95,29 @@ def test_real_conversion_gives_a_complete_hf_folder() -> None:
     )
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_tokenizer_loads_as_auto_tokenizer_does(tmp_path: Path) -> None:
+    # `_local.load_tokenizer` skips AutoTokenizer's imports for the plain fast
+    # tokenizer; it must give the very tokenizer AutoTokenizer does, and fall back to
+    # AutoTokenizer for a folder that names another class
+    from opencomposer.agent.backends._local import load_tokenizer
+    from transformers import AutoTokenizer
+
+    folder = smollm2.smollm2_path(base=True)
+    fast, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(fast) is type(auto)
+    text = Path(__file__).read_text() + " héllo \t\n  𝔘 <|im_end|>"
+    assert fast.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)  # fmt: skip
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)  # fmt: skip
+    assert fast.all_special_ids == auto.all_special_ids and fast.get_vocab() == auto.get_vocab()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("tokenizer.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (folder / name).is_file():
+            (other / name).write_bytes((folder / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"}))  # fmt: skip
+    assert load_tokenizer(other).encode("x = 1") == AutoTokenizer.from_pretrained(other).encode("x = 1")  # fmt: skip
