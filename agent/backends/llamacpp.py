@@ -29,10 +29,11 @@ text deltas through `call_soon_threadsafe`):
   logprobs are the model's. Edits copy text the model has just read, so most of an
   edit's tokens arrive several per pass.
 
-The repair's reads (`agent/repair.py`): `top_tokens` takes the log-softmax and the
-likeliest tokens of every row in float32, searching only the vocabulary blocks that can
-hold them (`_top`); `greedy` decodes up to `GREEDY_SEQS` continuations side by side, as
-sequences of one KV cache that share the cells of their common prefix.
+The repair's reads (`agent/repair.py`) run in a sequence of the KV cache of their own
+(`READS`), so the turn after a repair still finds its prompt cached. `top_tokens` takes
+the log-softmax and the likeliest tokens of every row in float32, searching only the
+vocabulary blocks that can hold them (`_top`); `greedy` decodes up to `GREEDY_SEQS`
+continuations side by side, as sequences that share the cells of their common prefix.
 
 Weights: a GGUF made from the Hugging Face folder (`_gguf.gguf_for`, Q8_0 by default,
 cached), so a trained checkpoint in a folder runs here as it does on vLLM.
@@ -46,7 +47,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ passive_omp_wait()
 
 DRAFT_TOKENS = 12  # proposed per pass; a rejected proposal costs ~1 ms per token on 2 cores
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
-# Greedy continuations decoded side by side, each a sequence of the KV cache
+# The KV cache's sequences: the conversation's, then the repair's reads (scores, top
+# tokens, greedy prefixes), then GREEDY_SEQS greedy continuations decoded side by side
+TURNS, READS = 0, 1
 GREEDY_SEQS = 32
 
 
@@ -291,12 +294,12 @@ class _Engine:
     def __init__(self, gguf: Path, n_ctx: int, threads: int, stop_ids: set[int]) -> None:
         import llama_cpp
 
-        # sequences 1..GREEDY_SEQS continue the repair's edits side by side (`greedy`);
-        # one cache of n_ctx cells serves them all, so sequence 0 (every turn) keeps
-        # the whole window
+        # sequence TURNS holds the conversation, READS what the repair reads (so the
+        # next turn still finds its prompt cached), and the GREEDY_SEQS after it the
+        # continuations decoded side by side; one cache of n_ctx cells serves them all
         with _default_params(
             {"use_extra_bufts": not _amx_crashes()},
-            {"n_seq_max": GREEDY_SEQS + 1, "kv_unified": True},
+            {"n_seq_max": READS + 1 + GREEDY_SEQS, "kv_unified": True},
         ):
             self.llama = llama_cpp.Llama(
                 model_path=str(gguf),
@@ -308,7 +311,9 @@ class _Engine:
             )
         self.n_vocab = self.llama.n_vocab()
         self.stop_ids = stop_ids
-        self.cached: list[int] = []  # the ids whose keys and values the cache holds
+        # the ids whose keys and values the cache holds, in sequence TURNS and READS
+        self.cached: list[int] = []
+        self.read: list[int] = []
         self.pieces: dict[int, bytes] = {}
         self.stats: dict[str, float] = {}
 
@@ -322,26 +327,39 @@ class _Engine:
             piece = self.pieces[token] = self.llama._model.detokenize([token])
         return piece
 
-    def _decode(self, tokens: list[int], *, all_logits: bool) -> Any:
-        """Append `tokens` to the cache; the logits of every position (all_logits) or
-        of the last one, as float32 rows [positions, vocab] the next decode won't touch."""
+    def _held(self, seq: int) -> list[int]:
+        return self.read if seq == READS else self.cached
+
+    def _decode(self, tokens: list[int], *, all_logits: bool, seq: int = TURNS) -> Any:
+        """Append `tokens` to sequence `seq` of the cache; the logits of every position
+        (all_logits) or of the last one, as float32 rows [positions, vocab] the next
+        decode won't touch."""
         import numpy as np
 
         ctx, batch = self.llama._ctx, self.llama._batch
+        held = self._held(seq)
         rows = None
         for i in range(0, len(tokens), 512):
             chunk = tokens[i : i + 512]
-            batch.set_batch(batch=chunk, n_past=len(self.cached), logits_all=all_logits)
+            _fill(batch.batch, [(seq, t, len(held) + j) for j, t in enumerate(chunk)], all_logits)
             ctx.decode(batch)
-            self.cached.extend(chunk)
+            held.extend(chunk)
             n = len(chunk) if all_logits else 1
             rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(n, self.n_vocab)).copy()
         return rows
 
-    def _truncate(self, n: int) -> None:
-        if n < len(self.cached):
-            self.llama._ctx.kv_cache_seq_rm(0, n, -1)
-            del self.cached[n:]
+    def _truncate(self, n: int, seq: int = TURNS) -> None:
+        held = self._held(seq)
+        if n < len(held):
+            self.llama._ctx.kv_cache_seq_rm(seq, n, -1)
+            del held[n:]
+
+    def _room(self, cells: int) -> None:
+        """Make room in the cache for `cells` more cells of the repair's reads: the
+        conversation's are dropped when both cannot fit (the next turn reads its
+        prompt anew)."""
+        if len(self.cached) + len(self.read) + cells > self.llama.n_ctx():
+            self._truncate(0, TURNS)
 
     def generate(
         self,
@@ -382,12 +400,14 @@ class _Engine:
         if not 0 < first < len(ids):
             return
         try:
-            common = min(_common_prefix(self.cached, ids), first - 1)
-            self._truncate(common)
-            yield self._decode(ids[common:first], all_logits=False), [ids[first]]
+            common = min(_common_prefix(self.read, ids), first - 1)
+            self._truncate(common, READS)
+            self._room(len(ids) - common)
+            yield self._decode(ids[common:first], all_logits=False, seq=READS), [ids[first]]
             for i in range(first, len(ids) - 1, 512):
                 chunk = ids[i : min(i + 512, len(ids) - 1)]
-                yield self._decode(chunk, all_logits=True), ids[i + 1 : i + 1 + len(chunk)]
+                rows = self._decode(chunk, all_logits=True, seq=READS)
+                yield rows, ids[i + 1 : i + 1 + len(chunk)]
         except BaseException:
             self.reset()  # what the cache holds is no longer known
             raise
@@ -399,7 +419,7 @@ class _Engine:
         token or its `until` (kept). Up to `GREEDY_SEQS` continuations are decoded side
         by side, each a sequence of the cache that shares the cells of the prefix before
         it (one pass of n tokens costs about what one of a single token does on this
-        model); sequence 0 ends holding the last prefix but its last token."""
+        model); sequence READS ends holding the last prefix but its last token."""
         out: list[list[int]] = []
         try:
             for lo in range(0, len(prefixes), GREEDY_SEQS):
@@ -417,57 +437,55 @@ class _Engine:
 
         ctx, batch = self.llama._ctx, self.llama._batch
         # a cell per token of what the prefixes do not share, and per token continued
-        cells, held = len(self.cached), self.cached
+        cells, held = 0, self.read
         for p in prefixes:
             cells += len(p) - 1 - min(_common_prefix(held, p), len(p) - 1)
             held = p[:-1]
-        if cells + len(prefixes) * (max_tokens + 1) > self.llama.n_ctx():
+        cells += len(prefixes) * (max_tokens + 1)
+        self._room(cells)
+        if len(self.read) + cells > self.llama.n_ctx():
             return [self._greedy_one(p, max_tokens, u) for p, u in zip(prefixes, until, strict=True)]  # fmt: skip
         out: list[list[int]] = [[] for _ in prefixes]
+        first = READS + 1  # the sequence of prefixes[0]
         # (sequence, its next token, that token's position)
         live: list[tuple[int, int, int]] = []
-        for seq, p in enumerate(prefixes, start=1):
+        for seq, p in enumerate(prefixes, start=first):
             if not p:
                 continue
-            common = min(_common_prefix(self.cached, p), len(p) - 1)
-            self._truncate(common)
-            self._decode(p[common:-1], all_logits=False)
-            ctx.kv_cache_seq_cp(0, seq, 0, len(p) - 1)
+            common = min(_common_prefix(self.read, p), len(p) - 1)
+            self._truncate(common, READS)
+            self._decode(p[common:-1], all_logits=False, seq=READS)
+            ctx.kv_cache_seq_cp(READS, seq, 0, len(p) - 1)
             live.append((seq, p[-1], len(p) - 1))
         try:
             while live:
-                batch.batch.n_tokens = len(live)
-                for i, (seq, token, pos) in enumerate(live):
-                    batch.batch.token[i] = token
-                    batch.batch.pos[i] = pos
-                    batch.batch.seq_id[i][0] = seq
-                    batch.batch.n_seq_id[i] = 1
-                    batch.batch.logits[i] = True
+                _fill(batch.batch, live, True)
                 ctx.decode(batch)
                 rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(len(live), self.n_vocab))
                 best = rows.argmax(axis=1)
                 going = []
                 for (seq, _, pos), token in zip(live, best.tolist(), strict=True):
-                    got = out[seq - 1]
+                    got = out[seq - first]
                     if token in self.stop_ids:
                         continue
                     got.append(token)
-                    if token != until[seq - 1] and len(got) < max_tokens:
+                    if token != until[seq - first] and len(got) < max_tokens:
                         going.append((seq, token, pos + 1))
                 live = going
         finally:
-            for seq in range(1, len(prefixes) + 1):
+            for seq in range(first, first + len(prefixes)):
                 ctx.kv_cache_seq_rm(seq, -1, -1)
         return out
 
     def _greedy_one(self, prefix: list[int], max_tokens: int, until: int) -> list[int]:
-        """One greedy continuation in sequence 0, a token per pass."""
+        """One greedy continuation in sequence READS, a token per pass."""
         import numpy as np
 
         out: list[int] = []
-        common = min(_common_prefix(self.cached, prefix), len(prefix) - 1)
-        self._truncate(common)
-        rows = self._decode(prefix[common:], all_logits=False)
+        common = min(_common_prefix(self.read, prefix), len(prefix) - 1)
+        self._truncate(common, READS)
+        self._room(len(prefix) - common + max_tokens)
+        rows = self._decode(prefix[common:], all_logits=False, seq=READS)
         while len(out) < max_tokens:
             token = int(np.argmax(rows[-1]))
             if token in self.stop_ids:
@@ -476,13 +494,13 @@ class _Engine:
             if token == until:
                 break
             if len(out) < max_tokens:
-                rows = self._decode([token], all_logits=False)
+                rows = self._decode([token], all_logits=False, seq=READS)
         return out
 
     def reset(self) -> None:
         """Forget the cached prefix (the next turn evaluates its whole prompt)."""
         self.llama._ctx.kv_cache_clear()
-        self.cached = []
+        self.cached, self.read = [], []
 
     def _generate(
         self,
@@ -599,6 +617,20 @@ def _top(rows: Any, targets: list[int], k: int) -> list[tuple[float, list[tuple[
         (float(here[r]), [(int(t), float(lp)) for t, lp in zip(order[r], logp[r], strict=True)])
         for r in range(n)
     ]
+
+
+def _fill(batch: Any, tokens: Sequence[tuple[int, int, int]], all_logits: bool) -> None:
+    """A llama batch of `tokens`, each (sequence, token id, position); logits for every
+    token (all_logits) or the last one."""
+    batch.n_tokens = len(tokens)
+    for i, (seq, token, pos) in enumerate(tokens):
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.seq_id[i][0] = seq
+        batch.n_seq_id[i] = 1
+        batch.logits[i] = all_logits
+    if tokens:
+        batch.logits[len(tokens) - 1] = True
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -162,6 +162,33 @@ def test_speculation_changes_speed_only(tiny, cache) -> None:
     asyncio.run(main())
 
 
+def test_the_repairs_reads_leave_the_conversation_cached(tiny, cache) -> None:
+    # top tokens, scores and greedy continuations run in sequences of their own: the
+    # turn after them still reuses its prompt, and says what a fresh engine says
+    folder, _ = tiny
+    sampling = Sampling(temperature=0, max_tokens=16)
+
+    async def main() -> None:
+        model = LlamaCppModel(folder, qtype="f32", threads=1)
+        fresh = LlamaCppModel(folder, qtype="f32", threads=1)
+        try:
+            first = await turn(model, COPY[:1], sampling)
+            ids = model.tokenizer.encode(CODE[:400])
+            await model.top_tokens(ids, 10, 4)
+            await model.greedy([ids[:20], ids[:50]], 6, [-1, -1])
+            await model.logprob(CODE[:100], CODE[100:200])
+            history = [*COPY[:1], Message(role="assistant", content=first.text), COPY[2]]
+            second = await turn(model, history, sampling)
+            assert second.meta["prompt_reused_tokens"] >= len(first.prompt_token_ids) - 1
+            alone = await turn(fresh, history, sampling)
+            assert second.completion_token_ids == alone.completion_token_ids
+        finally:
+            await model.close()
+            await fresh.close()
+
+    asyncio.run(main())
+
+
 def test_a_later_turn_reuses_the_cached_prefix(tiny, cache) -> None:
     folder, _ = tiny
     sampling = Sampling(temperature=0, max_tokens=16)
