@@ -768,11 +768,13 @@ class Session:
         index, tried_runs, forked = await self._first_passing(command, proposals, check, deadline)
         runs += tried_runs
         found = None if index is None else proposals[index]
+        turned_down = forked.pop("turned_down", None)
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
             "proposals": len(proposals),
             **({"forked": forked} if forked else {}),
+            **({"turned_down": turned_down} if turned_down else {}),
             "runs": runs,
             "propose_s": round(proposed_s, 2),
             "seconds": round(self.clock.now() - t0, 2),
@@ -838,17 +840,28 @@ class Session:
             return None
         return min(times * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
 
-    def _guarded(self, command: str, check: alternatives.Check) -> alternatives.Check:
+    def _guarded(
+        self, command: str, check: alternatives.Check, why: dict[str, Any] | None = None
+    ) -> alternatives.Check:
         """`check`, and for an edit that passes it, no test of the failing test's files
         failing that did not fail before (`localize.guard_command`): the failing test
         alone can be made to pass by breaking what it shares with the others. The
         files' tests run once as they are, when the first edit passes; if that run
-        cannot finish in time, the command alone decides."""
+        cannot finish in time, the command alone decides. `why` counts the edits turned
+        down by the command ("failed") and by the guard ("broke")."""
+        why = {} if why is None else why
+
+        async def counted(files: dict[str, str]) -> bool | None:
+            passed = await check(files)
+            if passed is False:
+                why["failed"] = why.get("failed", 0) + 1
+            return passed
+
         # more tests than the failing command's, each run given some time
         limit = self._rerun_limit(command, 4.0)
         guard = localize.guard_command(command, _failing_output(self.turns, command))
         if limit is None or guard is None:
-            return check
+            return counted
         root = Path(self.workspace.root)
         before: list[frozenset[str] | None] = []
         lock = asyncio.Lock()
@@ -863,7 +876,7 @@ class Session:
             return None if result.killed_reason else localize.failed_tests(result.output)
 
         async def guarded(files: dict[str, str]) -> bool | None:
-            passed = await check(files)
+            passed = await counted(files)
             if not passed:
                 return passed
             async with lock:
@@ -872,7 +885,10 @@ class Session:
             if before[0] is None:
                 return True
             after = await failing(files)
-            return after is not None and after <= before[0]
+            kept = after is not None and after <= before[0]
+            if not kept:
+                why["broke"] = why.get("broke", 0) + 1
+            return kept
 
         return guarded
 
@@ -884,17 +900,19 @@ class Session:
         deadline: float,
     ) -> tuple[int | None, int, dict[str, Any]]:
         """(the index of the first of `proposals` that passes `check` and the guard, or
-        None; the real trial runs made; what the forked runs found).
+        None; the real trial runs made; what the forked runs found, and, as
+        "turned_down", how many real runs failed the command or broke other tests).
 
         A plain pytest command first has the candidates tried in a forked run
         (`agent/trials.py`) that stops at the first that passes there. That one, and
         any before it the run could not tell, then get real trial runs; if none passes,
         another forked run takes the candidates after it. A candidate is never taken on
         a forked run's word alone. Without a forked run, each gets a real run in turn."""
-        guarded = self._guarded(command, check)
+        counts: dict[str, Any] = {}
+        why: dict[str, Any] = {}
+        guarded = self._guarded(command, check, why)
         todo = list(range(len(proposals)))
         runs = 0
-        counts: dict[str, Any] = {}
         while todo:
             verdicts, seconds = await self._forked(command, [proposals[i] for i in todo], deadline)
             if verdicts is None:
@@ -917,11 +935,11 @@ class Session:
             )
             runs += tried.runs
             if tried.index is not None:
-                return real[tried.index], runs, counts
+                return real[tried.index], runs, counts | ({"turned_down": why} if why else {})
             if verdicts is None or not any(verdicts):
                 break  # every candidate was tried, or the time is spent
             todo = todo[cut + 1 :]
-        return None, runs, counts
+        return None, runs, counts | ({"turned_down": why} if why else {})
 
     async def _forked(
         self, command: str, proposals: Sequence[repair.Proposal], deadline: float

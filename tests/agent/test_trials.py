@@ -109,6 +109,8 @@ async def test_a_forked_pass_is_kept_only_after_a_real_trial_run_passes(repo, st
     # a forked round a candidate: each says its first passes, and the real run says no,
     # until the one that truly passes
     assert meta["forked"]["rounds"] == meta["forked"]["passed"] == meta["runs"] - 1 >= 1
+    # and each it turned down is counted as failing the command
+    assert meta.get("turned_down", {}).get("failed", 0) == meta["forked"]["rounds"] - 1
 
 
 async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
