@@ -24,7 +24,7 @@ masked-language-model program repair does, with a causal model:
    against log P(the tokens it replaces and the same tokens after them), with all the
    code before as context (a backend with a prefix cache reads only the window). By
    default none is: an exact score costs about what a forked trial run does
-   (`agent/trials.py`, ~0.2 s on 2 cores), and the trial run tells whether the edit
+   (`agent/trials.py`, 0.2-0.8 s a child on 2 cores), and the trial run tells whether the edit
    passes. On 21 held-out single-site bugs (`benchmarks/repair_proposals.py`), 96
    exact scores put the fix within the first 20 in 7 and proposing took 16.2 s
    (median); first-order gain alone, in 6, in 5.1 s.

@@ -765,10 +765,12 @@ class Session:
             log.warning("session %s: no edits proposed: %s", self.id, e)
             return None
         proposed_s = self.clock.now() - t0
-        index, tried_runs, forked = await self._first_passing(command, proposals, check, deadline)
+        turned_down: dict[str, int] = {}
+        index, tried_runs, forked = await self._first_passing(
+            command, proposals, check, deadline, turned_down
+        )
         runs += tried_runs
         found = None if index is None else proposals[index]
-        turned_down = forked.pop("turned_down", None)
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
@@ -841,7 +843,7 @@ class Session:
         return min(times * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
 
     def _guarded(
-        self, command: str, check: alternatives.Check, why: dict[str, Any] | None = None
+        self, command: str, check: alternatives.Check, why: dict[str, int]
     ) -> alternatives.Check:
         """`check`, and for an edit that passes it, no test of the failing test's files
         failing that did not fail before (`localize.guard_command`): the failing test
@@ -849,7 +851,6 @@ class Session:
         files' tests run once as they are, when the first edit passes; if that run
         cannot finish in time, the command alone decides. `why` counts the edits turned
         down by the command ("failed") and by the guard ("broke")."""
-        why = {} if why is None else why
 
         async def counted(files: dict[str, str]) -> bool | None:
             passed = await check(files)
@@ -898,10 +899,11 @@ class Session:
         proposals: Sequence[repair.Proposal],
         check: alternatives.Check,
         deadline: float,
+        turned_down: dict[str, int],
     ) -> tuple[int | None, int, dict[str, Any]]:
         """(the index of the first of `proposals` that passes `check` and the guard, or
-        None; the real trial runs made; what the forked runs found, and, as
-        "turned_down", how many real runs failed the command or broke other tests).
+        None; the real trial runs made; what the forked runs found). `turned_down`
+        counts the real runs that failed the command or broke other tests.
 
         A plain pytest command first has the candidates tried in a forked run
         (`agent/trials.py`) that stops at the first that passes there. That one, and
@@ -909,8 +911,7 @@ class Session:
         another forked run takes the candidates after it. A candidate is never taken on
         a forked run's word alone. Without a forked run, each gets a real run in turn."""
         counts: dict[str, Any] = {}
-        why: dict[str, Any] = {}
-        guarded = self._guarded(command, check, why)
+        guarded = self._guarded(command, check, turned_down)
         todo = list(range(len(proposals)))
         runs = 0
         while todo:
@@ -935,11 +936,11 @@ class Session:
             )
             runs += tried.runs
             if tried.index is not None:
-                return real[tried.index], runs, counts | ({"turned_down": why} if why else {})
+                return real[tried.index], runs, counts
             if verdicts is None or not any(verdicts):
                 break  # every candidate was tried, or the time is spent
             todo = todo[cut + 1 :]
-        return None, runs, counts | ({"turned_down": why} if why else {})
+        return None, runs, counts
 
     async def _forked(
         self, command: str, proposals: Sequence[repair.Proposal], deadline: float
