@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import heapq
 import io
 import itertools
@@ -70,6 +71,8 @@ RESCORE_TOKENS = 64
 TAIL = 224
 # Lines of code in focus at most, summed over the spans.
 FOCUS_LINES = 160
+# Tokens at most that the model reads of one file's spans, one after another (`_sites`).
+CHAIN_TOKENS = 3072
 
 _TEST_FILE = re.compile(
     r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_tests?\.py$|(^|/)conftest\.py$"
@@ -296,7 +299,7 @@ async def propose(
     """Candidate edits of `spans` (in the files `texts`), best first by exact gain, then
     up to `tail` more by first-order gain. The edits of all spans compete for the
     `expand` continuations and the `rescore` exact scores on their first-order gains."""
-    sites = [s for span in _merged(spans) if (s := _site(tok, texts[span.path], span)) is not None]
+    sites = _sites(tok, texts, _merged(spans))
     edits: list[tuple[_Site, _Edit]] = []
     tops = await asyncio.gather(*(lm.top_tokens(s.prompt, s.offset, k) for s in sites))
     for site, rows in zip(sites, tops, strict=True):
@@ -306,11 +309,9 @@ async def propose(
     # defines: the tail is drawn from twice its size
     top = max(expand, rescore)
     best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
-    grown: list[tuple[_Site, _Edit]] = []
-    for site in sites:
-        # in the order of the code, so a cache of the tokens before each edit serves the next
-        mine = sorted((e for s, e in best[:expand] if s is site), key=lambda e: e.at)
-        grown += [(site, e) for e in await _grow(lm, tok, site, mine)]
+    # in the order of the code, so a cache of the tokens before each edit serves the next
+    order = {site: n for n, site in enumerate(sites)}
+    grown = await _grow(lm, tok, sorted(best[:expand], key=lambda se: (order[se[0]], se[1].at)))
     seen: set[tuple[_Site, str]] = set()
     # best first by first-order gain, an edit's continuations before it
     first = iter(sorted([*grown, *best[:top]], key=lambda se: -se[1].first_order))
@@ -388,7 +389,7 @@ def _merged(spans: Sequence[Span], gap: int = 2) -> list[Span]:
 @dataclass(frozen=True, eq=False)
 class _Site:
     """A span's code as the model reads it: the text around it, its tokens, and the
-    tokens of the code above it (at most `CONTEXT_TOKENS`) that condition them."""
+    tokens that condition them (`_sites`)."""
 
     span: Span
     text: str
@@ -398,7 +399,7 @@ class _Site:
     ids: list[int]
     pieces: list[str]  # the text of each of `ids`
     kept: frozenset[int]  # the indices of `ids` no edit touches (`_kept_tokens`)
-    prompt: list[int]  # the code above, then `ids`
+    prompt: list[int]  # what the model reads before `ids` (`_sites`), then `ids`
     offset: int  # where `ids` start in `prompt`
     shape: tuple[list[str], str] | None  # `_shape` of `_region(body)`, else of `text`
     whole: bool  # the region did not compile alone: candidates are checked in `text`
@@ -416,7 +417,32 @@ def _region(body: str) -> str:
     return "if 1:\n" + body if first[:1] in (" ", "\t") else body
 
 
-def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
+def _sites(tok: Tokens, texts: dict[str, str], spans: Sequence[Span]) -> list[_Site]:
+    """The sites of `spans` (in the order of their files' code), each read by the model
+    after the code above its file's first span (`CONTEXT_TOKENS` at most) and the spans
+    of that file before it, not the code between them: the functions in focus read as
+    one text, one after another. One pass then reads them all (a backend with a prefix
+    cache reads each site's tokens once, and a continuation of an edit reads only what
+    it adds), where a site after its own code above made the model read that code again
+    for every site and every continuation: 10 methods of one class cost about 5,500
+    tokens of reading that way, 930 this way. A file's text grows to `CHAIN_TOKENS` at
+    most; the span after starts another, after its own code above."""
+    sites: list[_Site] = []
+    for span in spans:
+        last = sites[-1] if sites else None
+        lead = None
+        if last is not None and last.span.path == span.path:
+            lead = last.prompt
+        site = _site(tok, texts[span.path], span, lead)
+        if site is not None and len(site.prompt) > CHAIN_TOKENS and lead is not None:
+            site = _site(tok, texts[span.path], span)
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+def _site(tok: Tokens, text: str, span: Span, lead: list[int] | None = None) -> _Site | None:
+    """`span`'s site, read after `lead`, by default the code above it."""
     lines = text.splitlines(keepends=True)
     head, body = "".join(lines[: span.start]), "".join(lines[span.start : span.end])
     if not body.strip():
@@ -424,7 +450,8 @@ def _site(tok: Tokens, text: str, span: Span) -> _Site | None:
     ids = tok.encode(body)
     if tok.decode(ids) != body:
         return None  # the tokens do not give the text back: edits could not be placed
-    lead = (tok.encode(head)[-CONTEXT_TOKENS:] if head else []) or [tok.bos_id]
+    if lead is None:
+        lead = (tok.encode(head)[-CONTEXT_TOKENS:] if head else []) or [tok.bos_id]
     tail = "".join(lines[span.end :])
     pieces = [tok.decode([t]) for t in ids]
     kept = _kept_tokens(text, len(head), pieces) if span.path.endswith(".py") else frozenset()
@@ -479,18 +506,15 @@ def _edits(
 _DEF_NAME = re.compile(r"\b(?:def|class)\s+(\w+)")
 
 
-def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
-    """The indices of the tokens (`pieces`, the code of `text` from offset `lo`) no edit
-    may touch: those that overlap a name the code defines (after `def` or `class`, or a
-    parameter), and those whose text lies in a comment or a docstring, where an edit
-    changes nothing the code does. Empty for a file that does not parse."""
-    body = "".join(pieces)
-    if text[lo : lo + len(body)] != body:
-        return frozenset()
+@functools.lru_cache(maxsize=4)
+def _inert(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """(the offsets of the parameters a Python file's functions take, those of its
+    comments and docstrings), None when it does not parse: read once for the sites of
+    one file."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return frozenset()
+        return None
     line_starts = [0]
     for line in text.splitlines(keepends=True):
         line_starts.append(line_starts[-1] + len(line))
@@ -498,16 +522,12 @@ def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
     def at(line: int, col: int) -> int:
         return line_starts[line - 1] + col
 
-    hi = lo + len(body)
-    names: list[tuple[int, int]] = []
-    for m in _DEF_NAME.finditer(body):
-        names.append((lo + m.start(1), lo + m.end(1)))
+    params: list[tuple[int, int]] = []
     inert: list[tuple[int, int]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.arg) and node.end_col_offset is not None:
             start = at(node.lineno, node.col_offset)
-            if lo <= start < hi:
-                names.append((start, start + len(node.arg)))
+            params.append((start, start + len(node.arg)))
         elif isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             doc = node.body[0] if node.body else None
             if doc is not None and _is_docstring(doc) and doc.end_lineno is not None:
@@ -518,6 +538,24 @@ def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
                 inert.append((at(*t.start), at(*t.end)))
     except (tokenize.TokenError, SyntaxError):
         pass  # the comments already read are kept
+    return params, inert
+
+
+def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
+    """The indices of the tokens (`pieces`, the code of `text` from offset `lo`) no edit
+    may touch: those that overlap a name the code defines (after `def` or `class`, or a
+    parameter), and those whose text lies in a comment or a docstring, where an edit
+    changes nothing the code does. Empty for a file that does not parse."""
+    body = "".join(pieces)
+    if text[lo : lo + len(body)] != body:
+        return frozenset()
+    found = _inert(text)
+    if found is None:
+        return frozenset()
+    params, inert = found
+    hi = lo + len(body)
+    names = [(lo + m.start(1), lo + m.end(1)) for m in _DEF_NAME.finditer(body)]
+    names += [(a, b) for a, b in params if lo <= a < hi]
     kept: set[int] = set()
     start = lo
     for j, piece in enumerate(pieces):
@@ -533,43 +571,48 @@ def _kept_tokens(text: str, lo: int, pieces: list[str]) -> frozenset[int]:
     return frozenset(kept)
 
 
-async def _grow(lm: TokenLM, tok: Tokens, site: _Site, edits: list[_Edit]) -> list[_Edit]:
+async def _grow(
+    lm: TokenLM, tok: Tokens, edits: list[tuple[_Site, _Edit]]
+) -> list[tuple[_Site, _Edit]]:
     """Each edit continued greedily to the end of its line (`EXPAND_TOKENS` at most),
     which gives up to two edits: the continuation up to where it meets the code again
     (it predicts the token the edit stopped before; one that meets it at once is
     already among the single-token edits), and the continuation in place of the rest
     of the line (`f(b, a)` for `f(a, b)`: the model goes on writing the line it began
-    anew)."""
-    ids, pieces = site.ids, site.pieces
-    todo = [e for e in edits if e.at + e.drop < len(ids)]
+    anew). One call of `greedy` continues them all."""
+    todo = [(site, e) for site, e in edits if e.at + e.drop < len(site.ids)]
     if not todo:
         return []
     # where the code of each edit's line ends: its line break, or a comment after it
     eol = []
-    for e in todo:
+    for site, e in todo:
+        ids, pieces = site.ids, site.pieces
         r = e.at + e.drop
         while r < len(ids) and "\n" not in pieces[r] and not _comment(site, r):
             r += 1
         ends_line = r < len(ids) and (pieces[r].startswith("\n") or _comment(site, r))
         eol.append(r if ends_line else -1)
-    prefixes = [site.prompt[: site.offset + e.at] + list(e.put) for e in todo]
-    ends = [ids[r] if r >= 0 else ids[e.at + e.drop] for e, r in zip(todo, eol, strict=True)]
+    prefixes = [site.prompt[: site.offset + e.at] + list(e.put) for site, e in todo]
+    ends = [
+        site.ids[r] if r >= 0 else site.ids[e.at + e.drop]
+        for (site, e), r in zip(todo, eol, strict=True)
+    ]
     conts = await lm.greedy(prefixes, EXPAND_TOKENS + 1, ends)
     grown = []
-    for e, r, cont in zip(todo, eol, conts, strict=True):
-        rejoin = ids[e.at + e.drop]
+    for (site, e), r, cont in zip(todo, eol, conts, strict=True):
+        rejoin = site.ids[e.at + e.drop]
         met = False
         for n, t in enumerate(cont):
             piece = tok.decode([t])
             if t == rejoin and not met:
                 met = True
                 if n:
-                    grown.append(_Edit(e.at, e.drop, (*e.put, *cont[:n]), e.first_order))
+                    grown.append((site, _Edit(e.at, e.drop, (*e.put, *cont[:n]), e.first_order)))
                 if r < 0 or r == e.at + e.drop:
                     break
             elif piece.lstrip(" ").startswith(("\n", "#")):  # the line's code, written anew
                 if r >= 0:
-                    grown.append(_Edit(e.at, r - e.at, (*e.put, *cont[:n]), e.first_order))
+                    grown.append((site, _Edit(e.at, r - e.at, (*e.put, *cont[:n]), e.first_order)))
                 break
             elif "\n" in piece:
                 break

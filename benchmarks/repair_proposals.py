@@ -33,6 +33,23 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from heldout import cpu_model  # noqa: E402
 
 
+def nearest(text: str, line: int, n: int) -> list[int]:
+    """The first lines (0-based) of the `n` functions of `text` nearest 0-based `line`, outside the
+    one around it, nearest first."""
+    if n <= 0:
+        return []
+    import ast
+
+    funcs = [
+        (node.lineno - 1, node.end_lineno or node.lineno)
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+    outside = [(a, b) for a, b in funcs if not a <= line < b]
+    outside.sort(key=lambda f: min(abs(f[0] - line), abs(f[1] - line)))
+    return [a for a, _ in outside[:n]]
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=24)
@@ -46,6 +63,19 @@ async def main() -> int:
         type=int,
         help="code tokens an exact score reads (repair.RESCORE_TOKENS)",
     )
+    ap.add_argument(
+        "--others",
+        type=int,
+        default=0,
+        help="functions of the file nearest the broken one also in focus, as a session's"
+        " traceback and reads put them (default 0: the broken one alone)",
+    )
+    ap.add_argument(
+        "--chain-tokens",
+        type=int,
+        help="tokens of one file's spans read one after another (repair.CHAIN_TOKENS; 0: each"
+        " span after its own code above)",
+    )
     a = ap.parse_args()
 
     from opencomposer.agent import repair
@@ -56,6 +86,8 @@ async def main() -> int:
 
     if a.rescore_tokens is not None:
         repair.RESCORE_TOKENS = a.rescore_tokens
+    if a.chain_tokens is not None:
+        repair.CHAIN_TOKENS = a.chain_tokens
     tasks = spread(load_suite(f"corpus:{a.split}"), a.tasks, a.seed)
     if not tasks:
         print(f"error: the corpus has no {a.split} tasks (build it first)", file=sys.stderr)
@@ -82,7 +114,9 @@ async def main() -> int:
                 continue
             fixed = text.replace(fix["old"], fix["new"])
             texts = {fix["path"]: text}
-            spans = repair.focus(texts, [(fix["path"], fix["line"] - 1)])
+            line = fix["line"] - 1
+            others = [(fix["path"], n) for n in nearest(text, line, a.others)]
+            spans = repair.focus(texts, [(fix["path"], line), *others])
             t0 = time.perf_counter()
             sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
             got = await repair.propose(model, model.tokenizer, texts, spans, **sizes)

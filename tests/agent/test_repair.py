@@ -193,6 +193,41 @@ async def test_the_model_may_write_the_rest_of_a_line_anew():
     assert text.replace("ratio(b, a)", "ratio(a, b)") in [p.after for p in got]
 
 
+def test_the_spans_of_a_file_are_read_one_after_another(monkeypatch):
+    tok = Chars()
+    other = "X = 1\n\ndef g():\n    return X\n"
+    texts = {"calc.py": CALC, "other.py": other}
+    spans = [repair.Span("calc.py", 8, 11), repair.Span("calc.py", 13, 15)]
+    spans.append(repair.Span("other.py", 2, 4))
+    first, second, third = repair._sites(tok, texts, spans)
+    # the first reads the code above it; the second, the first's text and then its own,
+    # not the code between them
+    above = tok.encode("".join(CALC.splitlines(keepends=True)[:8]))
+    assert first.prompt == above + first.ids and first.offset == len(above)
+    assert second.prompt == first.prompt + second.ids
+    assert second.offset == len(first.prompt)
+    assert tok.decode(second.ids) == "def add(a, b):\n    return a - b\n"
+    # another file starts again from its own code above
+    assert third.prompt == tok.encode("X = 1\n\n") + third.ids
+    # past CHAIN_TOKENS, a span is read after its own code above again
+    monkeypatch.setattr(repair, "CHAIN_TOKENS", len(first.prompt))
+    _, alone, _ = repair._sites(tok, texts, spans)
+    head = "".join(CALC.splitlines(keepends=True)[:13])
+    assert alone.prompt == tok.encode(head) + alone.ids
+
+
+async def test_edits_are_proposed_in_every_span_of_a_file():
+    lm = NGram(KNOWN)
+    text = (
+        "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n\n\n"
+        "def total(pairs):\n    return sum(p for p, q in pairs)\n"
+    )
+    spans = [repair.Span("m.py", 6, 8), repair.Span("m.py", 0, 4)]
+    got = [p.after for p in await repair.propose(lm, lm.tok, {"m.py": text}, spans)]
+    assert text.replace("lo < hi", "lo <= hi") in got
+    assert text.replace("sum(p for", "sum(p * q for") in got
+
+
 async def test_comments_and_docstrings_are_not_edited():
     # the model knows the comment and docstring as written elsewhere, so editing them
     # would look likely; they change nothing the code does, so they are not proposed
