@@ -430,19 +430,15 @@ def _sites(tok: Tokens, texts: dict[str, str], spans: Sequence[Span]) -> list[_S
     sites: list[_Site] = []
     for span in spans:
         last = sites[-1] if sites else None
-        lead = None
-        if last is not None and last.span.path == span.path:
-            lead = last.prompt
-        site = _site(tok, texts[span.path], span, lead)
-        if site is not None and len(site.prompt) > CHAIN_TOKENS and lead is not None:
-            site = _site(tok, texts[span.path], span)
-        if site is not None:
+        chain = last.prompt if last is not None and last.span.path == span.path else None
+        if (site := _site(tok, texts[span.path], span, chain)) is not None:
             sites.append(site)
     return sites
 
 
-def _site(tok: Tokens, text: str, span: Span, lead: list[int] | None = None) -> _Site | None:
-    """`span`'s site, read after `lead`, by default the code above it."""
+def _site(tok: Tokens, text: str, span: Span, chain: list[int] | None = None) -> _Site | None:
+    """`span`'s site, read after `chain` (the file's text so far) while the two fit in
+    `CHAIN_TOKENS`, else after the code above it."""
     lines = text.splitlines(keepends=True)
     head, body = "".join(lines[: span.start]), "".join(lines[span.start : span.end])
     if not body.strip():
@@ -450,7 +446,9 @@ def _site(tok: Tokens, text: str, span: Span, lead: list[int] | None = None) -> 
     ids = tok.encode(body)
     if tok.decode(ids) != body:
         return None  # the tokens do not give the text back: edits could not be placed
-    if lead is None:
+    if chain is not None and len(chain) + len(ids) <= CHAIN_TOKENS:
+        lead = chain
+    else:
         lead = (tok.encode(head)[-CONTEXT_TOKENS:] if head else []) or [tok.bos_id]
     tail = "".join(lines[span.end :])
     pieces = [tok.decode([t]) for t in ids]

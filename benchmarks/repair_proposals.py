@@ -19,6 +19,7 @@ and at all, and the median time:
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import statistics
@@ -34,12 +35,10 @@ from heldout import cpu_model  # noqa: E402
 
 
 def nearest(text: str, line: int, n: int) -> list[int]:
-    """The first lines (0-based) of the `n` functions of `text` nearest 0-based `line`, outside the
-    one around it, nearest first."""
+    """The first lines (0-based) of the `n` functions of `text` nearest 0-based `line`,
+    outside the one around it, nearest first."""
     if n <= 0:
         return []
-    import ast
-
     funcs = [
         (node.lineno - 1, node.end_lineno or node.lineno)
         for node in ast.walk(ast.parse(text))
