@@ -46,7 +46,7 @@ import math
 import re
 import tokenize
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -295,10 +295,13 @@ async def propose(
     expand: int = EXPAND,
     rescore: int = RESCORE,
     tail: int = TAIL,
+    known: Callable[[str, str], bool] | None = None,
 ) -> list[Proposal]:
     """Candidate edits of `spans` (in the files `texts`), best first by exact gain, then
     up to `tail` more by first-order gain. The edits of all spans compete for the
-    `expand` continuations and the `rescore` exact scores on their first-order gains."""
+    `expand` continuations and the `rescore` exact scores on their first-order gains.
+    An edit `known(path, the file's text after it)` says was tried already is left
+    out and not counted: the candidates after it take its place."""
     sites = _sites(tok, texts, _merged(spans))
     edits: list[tuple[_Site, _Edit]] = []
     tops = await asyncio.gather(*(lm.top_tokens(s.prompt, s.offset, k) for s in sites))
@@ -309,14 +312,17 @@ async def propose(
     # defines: the tail is drawn from twice its size
     top = max(expand, rescore)
     best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
+    if known is not None:
+        # the edits tried already may be many: the tail is drawn from all that are left
+        best = sorted(edits, key=lambda se: -se[1].first_order)
     # in the order of the code, so a cache of the tokens before each edit serves the next
     order = {site: n for n, site in enumerate(sites)}
     grown = await _grow(lm, tok, sorted(best[:expand], key=lambda se: (order[se[0]], se[1].at)))
     seen: set[tuple[_Site, str]] = set()
     # best first by first-order gain, an edit's continuations before it
     first = iter(sorted([*grown, *best[:top]], key=lambda se: -se[1].first_order))
-    chosen = _kept(tok, first, rescore, seen)
-    rest = _kept(tok, itertools.chain(first, best[top:]), tail, seen)
+    chosen = _kept(tok, first, rescore, seen, known)
+    rest = _kept(tok, itertools.chain(first, best[top:]), tail, seen, known)
     # in the order of the code, so a cache of the tokens before each edit serves the next
     chosen.sort(key=lambda c: (sites.index(c[0]), c[1].at))
     rows_of = dict(zip(sites, tops, strict=True))  # a site is hashed by identity
@@ -336,16 +342,24 @@ async def propose(
 
 
 def _kept(
-    tok: Tokens, edits: Iterable[tuple[_Site, _Edit]], most: int, seen: set[tuple[_Site, str]]
+    tok: Tokens,
+    edits: Iterable[tuple[_Site, _Edit]],
+    most: int,
+    seen: set[tuple[_Site, str]],
+    known: Callable[[str, str], bool] | None = None,
 ) -> list[tuple[_Site, _Edit, str]]:
     """The first `most` of `edits` that still parse, keep the names the file defines and
-    change what the code does, each with its site's new text, none twice (`seen`)."""
+    change what the code does, each with its site's new text, none twice (`seen`) and
+    none `known` to have been tried (`propose`)."""
     out: list[tuple[_Site, _Edit, str]] = []
     if most <= 0:
         return out
     for site, e in edits:
         new_body = tok.decode(site.ids[: e.at] + list(e.put) + site.ids[e.at + e.drop :])
         if new_body == site.body or (site, new_body) in seen:
+            continue
+        if known is not None and known(site.span.path, site.head + new_body + site.tail):
+            seen.add((site, new_body))
             continue
         shape = _shape(site.span.path, site.checked(new_body))
         if shape is None or site.shape is None or shape[0] != site.shape[0]:

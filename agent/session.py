@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -296,6 +297,23 @@ def _failing_output(turns: list[TurnRecord], command: str) -> str:
     return ""
 
 
+def _digest(*parts: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    return h.digest()
+
+
+def _changed_paths(turns: list[TurnRecord]) -> list[str]:
+    """The files the session's changes applied to, each once, in order."""
+    paths: dict[str, None] = {}
+    for c in (c for t in turns for c in t.calls):
+        spec, ok = specs.BY_NAME.get(c.name), c.result is not None and c.result.status == "ok"
+        if spec is not None and spec.kind == "edit" and ok:
+            paths[str(c.args.get("path", ""))] = None
+    return list(paths)
+
+
 def _repair_lines(
     ws: Workspace,
     turns: list[TurnRecord],
@@ -438,6 +456,9 @@ class Session:
         self._running = False
         self._rechecked = False  # this request's answer was sent back once (`_recheck`)
         self._repairs_tried: set[Any] = set()  # (command, spans and their code) `_repair` tried
+        # digests of the candidate edits a trial run of a failing command failed
+        # (`_repair`): a later repair against that command takes others in their place
+        self._failed_edits: set[bytes] = set()
 
     # -- public -----------------------------------------------------------------
 
@@ -754,12 +775,32 @@ class Session:
         if not spans or key in self._repairs_tried:
             return None
         self._repairs_tried.add(key)
+        # a candidate failed before when the command, its file's text after it and the
+        # files the session changed are as they were then
+        changed = []
+        for path in _changed_paths(self.turns):
+            try:
+                changed += [path, self.workspace.read_text(path)]
+            except (ToolError, OSError, UnicodeDecodeError):
+                changed += [path, ""]
+        skipped = 0
+
+        def known(path: str, after: str) -> bool:
+            nonlocal skipped
+            failed = _digest(command, *changed, path, after) in self._failed_edits
+            skipped += failed
+            return failed
+
+        def failed(path: str, after: str) -> None:
+            self._failed_edits.add(_digest(command, *changed, path, after))
+
         try:
             proposals = await repair.propose(
                 self.model,  # type: ignore[arg-type]
                 self.model.tokenizer,  # type: ignore[attr-defined]
                 texts,
                 spans,
+                known=known,
             )
         except ModelError as e:
             log.warning("session %s: no edits proposed: %s", self.id, e)
@@ -767,7 +808,7 @@ class Session:
         proposed_s = self.clock.now() - t0
         turned_down: dict[str, int] = {}
         index, tried_runs, forked = await self._first_passing(
-            command, proposals, check, deadline, turned_down
+            command, proposals, check, deadline, turned_down, failed
         )
         runs += tried_runs
         found = None if index is None else proposals[index]
@@ -775,6 +816,7 @@ class Session:
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
             "proposals": len(proposals),
+            **({"known_failed": skipped} if skipped else {}),
             **({"forked": forked} if forked else {}),
             **({"turned_down": turned_down} if turned_down else {}),
             "runs": runs,
@@ -900,10 +942,12 @@ class Session:
         check: alternatives.Check,
         deadline: float,
         turned_down: dict[str, int],
+        failed: Callable[[str, str], None],
     ) -> tuple[int | None, int, dict[str, Any]]:
         """(the index of the first of `proposals` that passes `check` and the guard, or
         None; the real trial runs made; what the forked runs found). `turned_down`
-        counts the real runs that failed the command or broke other tests.
+        counts the real runs that failed the command or broke other tests; `failed`
+        is told (path, text) of each candidate a forked or real run failed.
 
         A plain pytest command first has the candidates tried in a forked run
         (`agent/trials.py`) that stops at the first that passes there. That one, and
@@ -912,6 +956,14 @@ class Session:
         a forked run's word alone. Without a forked run, each gets a real run in turn."""
         counts: dict[str, Any] = {}
         guarded = self._guarded(command, check, turned_down)
+
+        async def remembered(files: dict[str, str]) -> bool | None:
+            passed = await guarded(files)
+            if passed is False:
+                for path, after in files.items():
+                    failed(path, after)
+            return passed
+
         todo = list(range(len(proposals)))
         runs = 0
         while todo:
@@ -927,11 +979,14 @@ class Session:
                 ):
                     counts[key] = counts.get(key, 0) + n
                 counts["seconds"] = round(counts.get("seconds", 0.0) + seconds, 2)
+                for i, v in zip(todo, verdicts, strict=True):
+                    if v is False:
+                        failed(proposals[i].path, proposals[i].after)
                 cut = next((k for k, v in enumerate(verdicts) if v), len(verdicts) - 1)
                 real = [todo[k] for k in range(cut + 1) if verdicts[k] is not False]
             tried = await alternatives.first_that_passes(
                 [{proposals[i].path: proposals[i].after} for i in real],
-                guarded,
+                remembered,
                 self.config.trials_at_once,
             )
             runs += tried.runs

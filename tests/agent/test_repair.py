@@ -3,6 +3,7 @@
 (`propose`), and a session that makes the edit that passes in place of its own, with a
 test-double model whose predictions come from a character n-gram model of code."""
 
+import functools
 import math
 from collections import Counter, defaultdict
 
@@ -184,6 +185,25 @@ async def test_past_the_exact_scores_come_more_edits_by_first_order_gain():
     assert [p.after for p in some[4:]] == [p.after for p in got[4 : len(some)]]
 
 
+async def test_edits_known_to_have_been_tried_give_way_to_the_next():
+    lm = NGram(KNOWN)
+    text = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n"
+    span = [repair.Span("m.py", 0, 4)]
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, span, tail=12)
+    assert len(got) == 12
+    tried = {(p.path, p.after) for p in got[:4]}
+    asked: list[tuple[str, str]] = []
+
+    def known(path, after):
+        asked.append((path, after))
+        return (path, after) in tried
+
+    again = await repair.propose(lm, lm.tok, {"m.py": text}, span, tail=8, known=known)
+    # the four tried are left out, not counted: the eight after them come in their place
+    assert [p.after for p in again] == [p.after for p in got[4:]]
+    assert tried <= set(asked)
+
+
 async def test_the_model_may_write_the_rest_of_a_line_anew():
     # `ratio(b, a)` for `ratio(a, b)`: no one-token edit undoes a swap, but after `a` in
     # place of `b` the model writes `, b)` to the end of the line
@@ -341,6 +361,26 @@ async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, stor
     assert turn.calls[1].result.status == "ok" and "repair" in turn.output.meta
     assert "repair" not in result.turns[2].output.meta  # the code passes: nothing to add
     assert [c.name for c in result.turns[2].calls] == ["read_file"]
+
+
+async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, store, monkeypatch):
+    """Each repair tries a few candidates (`tail`). Once the first repair's have failed
+    the check, the next repair of the same code, with more in focus, leaves them out and
+    tries those after them, the fix among them."""
+    low = "def low(lo, hi):\n    if lo <= hi:\n        return lo\n    return hi\n"
+    (repo / "m.py").write_text(PICK + "\n\n" + low)
+    monkeypatch.setattr(repair, "propose", functools.partial(repair.propose, tail=6))
+    read = '<read_file path="m.py"/>'
+    wrong = edit("        return hi", "        return lo + 0")
+    model = Repairing([run(CHECK), "Reading.\n" + read, "The fix.\n" + wrong, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    first, second = (t.output.meta["repair"] for t in result.turns[1:3])
+    # the code as it is, then the six proposed: all failed
+    assert "gain" not in first and (first["proposals"], first["runs"]) == (6, 7)
+    assert second["known_failed"] == 6 and "gain" in second
+    assert (repo / "m.py").read_text() == (PICK + "\n\n" + low).replace("lo < hi", "lo <= hi")
 
 
 async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():
