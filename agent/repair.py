@@ -31,7 +31,9 @@ masked-language-model program repair does, with a causal model:
 
 Nothing here knows a kind of bug: every token proposed is the model's. The session
 tries the candidates against the model's own failing command in trial runs that change
-nothing (`tools.sandbox.run_sandboxed(files=…)`), and keeps the first that passes.
+nothing (`tools.sandbox.run_sandboxed(files=…)`), and keeps the first that passes. The
+candidates it tried in vain are `known` to a later `propose`, which leaves them out and
+returns the next ones by gain in their place.
 """
 
 from __future__ import annotations

@@ -455,9 +455,9 @@ class Session:
         self._cancel_reason: str | None = None
         self._running = False
         self._rechecked = False  # this request's answer was sent back once (`_recheck`)
-        self._repairs_tried: set[Any] = set()  # (command, spans and their code) `_repair` tried
         # digests of the candidate edits a trial run of a failing command failed
-        # (`_repair`): a later repair against that command takes others in their place
+        # (`_repair`): a later repair against that command, even of the same code in the
+        # same focus, takes others in their place
         self._failed_edits: set[bytes] = set()
 
     # -- public -----------------------------------------------------------------
@@ -770,11 +770,8 @@ class Session:
                 except (ToolError, OSError, UnicodeDecodeError):
                     continue
         spans = repair.focus(texts, lines)
-        # the same code tried against the same command finds nothing new
-        key = (command, tuple((sp, texts[sp.path]) for sp in spans))
-        if not spans or key in self._repairs_tried:
+        if not spans:
             return None
-        self._repairs_tried.add(key)
         # a candidate failed before when the command, its file's text after it and the
         # files the session changed are as they were then
         changed = []

@@ -365,22 +365,21 @@ async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, stor
 
 async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, store, monkeypatch):
     """Each repair tries a few candidates (`tail`). Once the first repair's have failed
-    the check, the next repair of the same code, with more in focus, leaves them out and
+    the check, the next repair, of the same code in the same focus, leaves them out and
     tries those after them, the fix among them."""
-    low = "def low(lo, hi):\n    if lo <= hi:\n        return lo\n    return hi\n"
-    (repo / "m.py").write_text(PICK + "\n\n" + low)
+    (repo / "m.py").write_text(PICK)
     monkeypatch.setattr(repair, "propose", functools.partial(repair.propose, tail=6))
     read = '<read_file path="m.py"/>'
-    wrong = edit("        return hi", "        return lo + 0")
-    model = Repairing([run(CHECK), "Reading.\n" + read, "The fix.\n" + wrong, "Fixed."], KNOWN)
+    model = Repairing([run(CHECK), "Reading.\n" + read, "Again.\n" + read, "Fixed."], KNOWN)
     cfg = SessionConfig(approve="all", repair=True)
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
     first, second = (t.output.meta["repair"] for t in result.turns[1:3])
+    assert first["spans"] == second["spans"]
     # the code as it is, then the six proposed: all failed
     assert "gain" not in first and (first["proposals"], first["runs"]) == (6, 7)
     assert second["known_failed"] == 6 and "gain" in second
-    assert (repo / "m.py").read_text() == (PICK + "\n\n" + low).replace("lo < hi", "lo <= hi")
 
 
 async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():
