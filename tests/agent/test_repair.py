@@ -346,16 +346,22 @@ async def test_no_repair_when_the_change_passes_or_repair_is_off(repo):
         assert "repair" not in result.turns[1].output.meta, cfg
 
 
-async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, store):
-    """While the check fails, a turn that only reads gets the model's own edit that
-    passes the check added after its calls; once the code passes, nothing is added."""
+async def read_twice(repo, store):
+    """A session on PICK that reproduces the failure, then reads m.py in two turns."""
     (repo / "m.py").write_text(PICK)
     read = '<read_file path="m.py"/>'
-    model = Repairing([run(CHECK), "Reading.\n" + read, "Done.\n" + read, "Fixed."], KNOWN)
+    model = Repairing([run(CHECK), "Reading.\n" + read, "Again.\n" + read, "Fixed."], KNOWN)
     cfg = SessionConfig(approve="all", repair=True)
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    return result
+
+
+async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, store):
+    """While the check fails, a turn that only reads gets the model's own edit that
+    passes the check added after its calls; once the code passes, nothing is added."""
+    result = await read_twice(repo, store)
     turn = result.turns[1]
     assert [c.name for c in turn.calls] == ["read_file", "edit_file"]
     assert turn.calls[1].result.status == "ok" and "repair" in turn.output.meta
@@ -367,14 +373,8 @@ async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, stor
     """Each repair tries a few candidates (`tail`). Once the first repair's have failed
     the check, the next repair, of the same code in the same focus, leaves them out and
     tries those after them, the fix among them."""
-    (repo / "m.py").write_text(PICK)
     monkeypatch.setattr(repair, "propose", functools.partial(repair.propose, tail=6))
-    read = '<read_file path="m.py"/>'
-    model = Repairing([run(CHECK), "Reading.\n" + read, "Again.\n" + read, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
-    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
-    result = await session.run("fix pick")
-    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    result = await read_twice(repo, store)
     first, second = (t.output.meta["repair"] for t in result.turns[1:3])
     assert first["spans"] == second["spans"]
     # the code as it is, then the six proposed: all failed
