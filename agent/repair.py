@@ -313,9 +313,9 @@ async def propose(
     # about a third of the edits do not parse, or change a comment or a name the file
     # defines: the tail is drawn from twice its size
     top = max(expand, rescore)
-    best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
-    if known is not None:
-        # the edits tried already may be many: the tail is drawn from all that are left
+    if known is None:
+        best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
+    else:  # the edits tried already may be many: the tail is drawn from all of them
         best = sorted(edits, key=lambda se: -se[1].first_order)
     # in the order of the code, so a cache of the tokens before each edit serves the next
     order = {site: n for n, site in enumerate(sites)}

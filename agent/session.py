@@ -774,22 +774,23 @@ class Session:
             return None
         # a candidate failed before when the command, its file's text after it and the
         # files the session changed are as they were then
-        changed = []
+        parts = [command]
         for path in _changed_paths(self.turns):
             try:
-                changed += [path, self.workspace.read_text(path)]
+                parts += [path, self.workspace.read_text(path)]
             except (ToolError, OSError, UnicodeDecodeError):
-                changed += [path, ""]
+                parts += [path, ""]
+        state = _digest(*parts).hex()  # read once, not for every candidate
         skipped = 0
 
         def known(path: str, after: str) -> bool:
             nonlocal skipped
-            failed = _digest(command, *changed, path, after) in self._failed_edits
+            failed = _digest(state, path, after) in self._failed_edits
             skipped += failed
             return failed
 
         def failed(path: str, after: str) -> None:
-            self._failed_edits.add(_digest(command, *changed, path, after))
+            self._failed_edits.add(_digest(state, path, after))
 
         try:
             proposals = await repair.propose(
