@@ -4,7 +4,7 @@ repair uses it and still keeps only what a real trial run passes."""
 
 from pathlib import Path
 
-from opencomposer.agent import trials
+from opencomposer.agent import repair, trials
 from opencomposer.agent.session import Session, SessionConfig
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
@@ -127,3 +127,51 @@ async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
     assert forked["rounds"] >= 1 and forked["passed"] >= 1 and forked["failed"] >= 1
     # the change's own run, then a real run only for what passed a forked run
     assert meta["runs"] <= 1 + forked["passed"] + forked["unknown"]
+
+
+# a bug that two tests of the file catch; the failing one alone names one of them
+BOTH = (
+    "from m import pick\n\n\n"
+    "def test_pick():\n    assert pick(2, 2) == 2\n\n\n"
+    "def test_same():\n    assert pick(5, 5) == 5\n\n\n"
+    "def test_less():\n    assert pick(1, 3) == 1\n"
+)
+ONE = "python -m pytest -q -p no:cacheprovider test_m.py::test_pick"
+
+
+async def both_caught(repo, monkeypatch, candidates: list[tuple[str, str]]):
+    """A session whose check is ONE, with `candidates` ((old, new) lines of m.py)
+    proposed in that order."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(BOTH)
+
+    async def proposed(*args, **kw):
+        return [
+            repair.Proposal("m.py", PICK.replace(old, new), old, new, 0.0, exact=False)
+            for old, new in candidates
+        ]
+
+    monkeypatch.setattr(repair, "propose", proposed)
+    read = '<read_file path="m.py"/>'
+    model = Repairing([run(ONE), "Reading.\n" + read, "Fixed."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+    return (repo / "m.py").read_text(), result.turns[1].output.meta["repair"]
+
+
+# passes test_pick (pick(2, 2) == 2), not test_same; breaks nothing that passed
+NARROW = ("    return 0\n", "    return 2\n")
+RIGHT = ("    if lo < hi:\n", "    if lo <= hi:\n")
+
+
+async def test_an_edit_that_passes_every_test_of_the_file_is_preferred(repo, monkeypatch):
+    """The first edit passes the failing test but leaves test_same, which the bug
+    fails too, failing: the repair goes on and keeps the later edit that passes both."""
+    text, meta = await both_caught(repo, monkeypatch, [NARROW, RIGHT])
+    assert text == PICK.replace(*RIGHT)
+    assert meta["turned_down"]["partial"] == 1 and "left_failing" not in meta
+
+
+async def test_failing_them_all_the_edit_leaving_fewest_failing_is_kept(repo, monkeypatch):
+    text, meta = await both_caught(repo, monkeypatch, [NARROW])
+    assert text == PICK.replace(*NARROW) and meta["left_failing"] == 1
