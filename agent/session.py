@@ -805,7 +805,7 @@ class Session:
             return None
         proposed_s = self.clock.now() - t0
         turned_down: dict[str, int] = {}
-        index, tried_runs, forked, left = await self._first_passing(
+        index, tried_runs, forked = await self._first_passing(
             command, proposals, check, deadline, turned_down, failed
         )
         runs += tried_runs
@@ -817,8 +817,6 @@ class Session:
             **({"known_failed": skipped} if skipped else {}),
             **({"forked": forked} if forked else {}),
             **({"turned_down": turned_down} if turned_down else {}),
-            # the edit kept leaves this many tests of the failing test's files failing
-            **({"left_failing": left} if left else {}),
             "runs": runs,
             "propose_s": round(proposed_s, 2),
             "seconds": round(self.clock.now() - t0, 2),
@@ -885,22 +883,16 @@ class Session:
         return min(times * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
 
     def _guarded(
-        self,
-        command: str,
-        check: alternatives.Check,
-        why: dict[str, int],
-        partial: list[tuple[int, dict[str, str]]],
+        self, command: str, check: alternatives.Check, why: dict[str, int]
     ) -> alternatives.Check:
         """`check`, and for an edit that passes it, every test of the failing test's
         files passing (`localize.guard_command`): the failing test alone can be made to
         pass by breaking what it shares with the others, or by an edit that fixes it
-        and leaves the other tests the bug fails failing. An edit after which no test
-        fails that did not fail before, but some of those still fail, is not a pass: it
-        goes into `partial` as (the tests still failing, its files), a fallback if no
-        edit passes them all. The files' tests run once as they are, when the first
-        edit passes; if that run cannot finish in time, the command alone decides.
-        `why` counts the edits turned down by the command ("failed"), by the guard
-        ("broke") and those kept as a fallback ("partial")."""
+        and leaves the bug, which the other tests it fails still catch. The files'
+        tests run once as they are, when the first edit passes; if that run cannot
+        finish in time, the command alone decides. `why` counts the edits turned down
+        by the command ("failed"), by the guard for a test that passed before
+        ("broke"), and for tests that failed before and still fail ("partial")."""
 
         async def counted(files: dict[str, str]) -> bool | None:
             passed = await check(files)
@@ -941,7 +933,6 @@ class Session:
                 return False
             if after:
                 why["partial"] = why.get("partial", 0) + 1
-                partial.append((len(after), files))
                 return False
             return True
 
@@ -955,10 +946,9 @@ class Session:
         deadline: float,
         turned_down: dict[str, int],
         failed: Callable[[str, str], None],
-    ) -> tuple[int | None, int, dict[str, Any], int]:
+    ) -> tuple[int | None, int, dict[str, Any]]:
         """(the index of the first of `proposals` that passes `check` and the guard, or
-        None; the real trial runs made; what the forked runs found; the tests of the
-        failing test's files the edit leaves failing, 0 but for a fallback). `turned_down`
+        None; the real trial runs made; what the forked runs found). `turned_down`
         counts the real runs that failed the command or broke other tests; `failed`
         is told (path, text) of each candidate a forked or real run failed.
 
@@ -966,17 +956,13 @@ class Session:
         (`agent/trials.py`) that stops at the first that passes there. That one, and
         any before it the run could not tell, then get real trial runs; if none passes,
         another forked run takes the candidates after it. A candidate is never taken on
-        a forked run's word alone. Without a forked run, each gets a real run in turn.
-        When none passes every test of the failing test's files in the time, the one
-        that leaves the fewest of them failing (`_guarded`'s fallback) is taken; its
-        fourth value says how many."""
+        a forked run's word alone. Without a forked run, each gets a real run in turn."""
         counts: dict[str, Any] = {}
-        partial: list[tuple[int, dict[str, str]]] = []
-        guarded = self._guarded(command, check, turned_down, partial)
+        guarded = self._guarded(command, check, turned_down)
 
         async def remembered(files: dict[str, str]) -> bool | None:
             passed = await guarded(files)
-            if passed is False and not any(files is f for _, f in partial):
+            if passed is False:
                 for path, after in files.items():
                     failed(path, after)
             return passed
@@ -1008,16 +994,11 @@ class Session:
             )
             runs += tried.runs
             if tried.index is not None:
-                return real[tried.index], runs, counts, 0
+                return real[tried.index], runs, counts
             if verdicts is None or not any(verdicts):
                 break  # every candidate was tried, or the time is spent
             todo = todo[cut + 1 :]
-        if partial:
-            left, files = min(partial, key=lambda p: p[0])  # the first of the fewest
-            for i, p in enumerate(proposals):
-                if files == {p.path: p.after}:
-                    return i, runs, counts, left
-        return None, runs, counts, 0
+        return None, runs, counts
 
     async def _forked(
         self, command: str, proposals: Sequence[repair.Proposal], deadline: float

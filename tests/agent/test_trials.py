@@ -169,9 +169,9 @@ async def test_an_edit_that_passes_every_test_of_the_file_is_preferred(repo, mon
     fails too, failing: the repair goes on and keeps the later edit that passes both."""
     text, meta = await both_caught(repo, monkeypatch, [NARROW, RIGHT])
     assert text == PICK.replace(*RIGHT)
-    assert meta["turned_down"]["partial"] == 1 and "left_failing" not in meta
+    assert meta["turned_down"]["partial"] == 1 and "gain" in meta
 
 
-async def test_failing_them_all_the_edit_leaving_fewest_failing_is_kept(repo, monkeypatch):
+async def test_an_edit_that_leaves_the_bug_caught_by_another_test_is_not_made(repo, monkeypatch):
     text, meta = await both_caught(repo, monkeypatch, [NARROW])
-    assert text == PICK.replace(*NARROW) and meta["left_failing"] == 1
+    assert text == PICK and meta["turned_down"]["partial"] == 1 and "gain" not in meta
