@@ -949,8 +949,9 @@ class Session:
     ) -> tuple[int | None, int, dict[str, Any]]:
         """(the index of the first of `proposals` that passes `check` and the guard, or
         None; the real trial runs made; what the forked runs found). `turned_down`
-        counts the real runs that failed the command or broke other tests; `failed`
-        is told (path, text) of each candidate a forked or real run failed.
+        counts the real runs that failed the command, broke other tests or left tests
+        the bug fails failing (`_guarded`); `failed` is told (path, text) of each
+        candidate a forked or real run failed, the guard's refusals included.
 
         A plain pytest command first has the candidates tried in a forked run
         (`agent/trials.py`) that stops at the first that passes there. That one, and
