@@ -118,6 +118,11 @@ class SessionConfig:
     # (`agent/repair.py`); None: the model's own `repair` setting. Needs a backend with
     # `top_tokens`, `greedy` and `logprob` (vLLM, llama.cpp)
     repair: bool | None = None
+    # with repair, a change whose trial run still fails the model's last pytest check
+    # (its run named failing tests), when no proposed edit passes either, is not made:
+    # its calls fail with a note that says so. Made, a wrong change moves the code every
+    # later repair starts from away from the one the failing run showed
+    hold_failing: bool = True
 
 
 @dataclass(kw_only=True)
@@ -249,13 +254,16 @@ def unchecked_answer(turns: list[TurnRecord]) -> str:
     if failed is None:
         return ""
     command, code, killed = failed
-    command = " ".join(command.split())
-    command = command if len(command) <= 200 else command[:199] + "…"
     how = f"was killed ({killed})" if killed else f"exited with code {code}"
     return (
-        f"After your last change, `{command}` {how}, so the task is not done "
+        f"After your last change, `{_one_line(command)}` {how}, so the task is not done "
         "yet. Keep working on it; if it cannot pass, answer and say why."
     )
+
+
+def _one_line(command: str, limit: int = 200) -> str:
+    command = " ".join(command.split())
+    return command if len(command) <= limit else command[: limit - 1] + "…"
 
 
 def _check_meta(call: CallRecord) -> dict[str, Any] | None:
@@ -673,8 +681,9 @@ class Session:
         """The reply to keep for a turn that changes files: with `fix_samples`, among
         `output` and more replies (`_sample_change`); with `repair`, a small edit of the
         model's own in place of its change when that change does not pass the failing
-        command and the edit does (`_repair`). Returns (the kept reply's output, all its
-        calls, its calls from the first change on, which have not run yet)."""
+        command and the edit does, or its change not made when no edit does (`_repair`).
+        Returns (the kept reply's output, all its calls, its calls from the first change
+        on, which have not run yet)."""
         kept, passed = (output, calls, held), False
         if self._fix_samples() > 1:
             kept, passed = await self._sample_change(output, calls, held)
@@ -748,18 +757,27 @@ class Session:
         """The reply with its change replaced by the first of the model's own small
         edits (`repair.propose`) that passes the failing command, when the change itself
         does not, or with that edit added when the reply changes nothing (`held` empty)
-        and the code as it is still fails; None when the change or the code passes, or
-        no edit does in the time left."""
+        and the code as it is still fails; when no edit passes in the time left, the
+        reply with its failing change held back (`_held_back`, `_holds`); None when the
+        change or the code passes, or nothing can be tried."""
         command, check, deadline = trial
         t0 = self.clock.now()
         runs = 0
         own = alternatives.preview(self.workspace, held)
+        own_failed = False
         if (own and all(self.workspace.exists(p) for p in own)) or not held:
             # the change, or the code as it is when the reply changes nothing
             passed = await check({p: after for p, (_, after) in (own or {}).items()})
             runs += passed is not None
             if passed is None or passed:
                 return None  # it passes, or nothing more can be tried
+            own_failed = bool(held)
+
+        def unrepaired() -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]] | None:
+            if own_failed and self._holds(command):
+                return self._held_back(output, calls, held, command)
+            return None
+
         called = await self._failing_calls(command)
         lines = _repair_lines(self.workspace, self.turns, held, called)
         texts: dict[str, str] = {}
@@ -771,7 +789,7 @@ class Session:
                     continue
         spans = repair.focus(texts, lines)
         if not spans:
-            return None
+            return unrepaired()
         # a candidate failed before when the command, its file's text after it and the
         # files the session changed are as they were then
         parts = [command]
@@ -802,7 +820,7 @@ class Session:
             )
         except ModelError as e:
             log.warning("session %s: no edits proposed: %s", self.id, e)
-            return None
+            return unrepaired()
         proposed_s = self.clock.now() - t0
         turned_down: dict[str, int] = {}
         index, tried_runs, forked = await self._first_passing(
@@ -824,8 +842,45 @@ class Session:
         if found is None:
             output.meta["repair"] = meta
             log.info("session %s: no proposed edit passed (%s)", self.id, meta)
-            return None
+            return unrepaired()
         return self._repaired(output, calls, held, found, meta)
+
+    def _holds(self, command: str) -> bool:
+        """Whether a change that fails `command`, the session's failing check, is held
+        back (`SessionConfig.hold_failing`): only when that check's last run named the
+        tests it failed. A command that fails for any other reason (a wrong path, a
+        usage error) fails with every change, the right one too."""
+        output = _failing_output(self.turns, command)
+        return self.config.hold_failing and bool(localize.failed_tests(output))
+
+    def _held_back(
+        self,
+        output: TurnOutput,
+        calls: list[ParsedCall],
+        held: list[ParsedCall],
+        command: str,
+    ) -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]]:
+        """The reply with its changes not made: each fails with a note saying that
+        `command` still fails with them, and the calls after them run as sent (a rerun
+        of the test shows the code as it is). The text stays the model's own."""
+        note = (
+            f"not made: `{_one_line(command)}` still fails with this reply's changes "
+            "(tried on a copy of the workspace first); no file was changed"
+        )
+        refused = {
+            c.index: dataclasses.replace(c, error=note) for c in held if alternatives.changes(c)
+        }
+        meta = output.meta.get("repair")
+        output.meta["repair"] = {
+            **(meta if isinstance(meta, dict) else {"command": command}),
+            "held_back": len(refused),
+        }
+        log.info("session %s: %d change(s) failing `%s` held back", self.id, len(refused), command)
+        return (
+            output,
+            [refused.get(c.index, c) for c in calls],
+            [refused.get(c.index, c) for c in held],
+        )
 
     def _repaired(
         self,

@@ -175,3 +175,55 @@ async def test_an_edit_that_passes_every_test_of_the_file_is_preferred(repo, mon
 async def test_an_edit_that_leaves_the_bug_caught_by_another_test_is_not_made(repo, monkeypatch):
     text, meta = await both_caught(repo, monkeypatch, [NARROW])
     assert text == PICK and meta["turned_down"]["partial"] == 1 and "gain" not in meta
+
+
+async def held_session(repo, monkeypatch, check: str, **config):
+    """A session whose model reproduces the failure with `check`, sends a wrong change
+    with a rerun, then reads m.py; the one edit proposed is wrong too."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(BOTH)
+    wrong = PICK.replace("        return lo", "        return hi")
+
+    async def proposed(*args, **kw):
+        known = kw.get("known") or (lambda path, after: False)
+        if known("m.py", wrong):
+            return []
+        return [repair.Proposal("m.py", wrong, "        return lo", "        return hi", 0.0)]
+
+    monkeypatch.setattr(repair, "propose", proposed)
+    change = "A fix.\n" + edit("    return 0", "    return 1") + "\n" + run(check)
+    model = Repairing([run(check), change, 'Reading.\n<read_file path="m.py"/>', "Done."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True, **config)
+    return await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+
+
+async def test_a_change_that_still_fails_the_test_is_not_made_when_no_edit_passes(
+    repo, monkeypatch
+):
+    """The change and the one proposed edit both fail the test: the change is not made,
+    its call says why, the rerun after it runs, and the next repair, of the same code,
+    knows the edit failed."""
+    result = await held_session(repo, monkeypatch, ONE)
+    assert (repo / "m.py").read_text() == PICK
+    change, rerun = result.turns[1].calls
+    assert change.result.status == "error" and change.result.output.startswith("not made:")
+    assert ONE in change.result.output
+    assert rerun.result.meta["exit_code"] != 0  # it ran, on the code as it was
+    assert result.turns[1].output.meta["repair"]["held_back"] == 1
+    assert result.turns[2].output.meta["repair"]["known_failed"] == 1
+
+
+async def test_a_failing_change_is_made_when_holding_is_off_or_the_check_names_no_test(
+    repo, monkeypatch
+):
+    for check, config in (
+        (ONE, {"hold_failing": False}),
+        # not a pytest run: what it fails is not known to be the bug's tests
+        ("python3 -c 'import m; assert m.pick(2, 2) == 2'", {}),
+    ):
+        result = await held_session(repo, monkeypatch, check, **config)
+        assert "return 1" in (repo / "m.py").read_text(), check
+        assert result.turns[1].calls[0].result.status == "ok"
+        assert "held_back" not in result.turns[1].output.meta["repair"]
+        # the code changed: the edit that failed before is tried again
+        assert "known_failed" not in result.turns[2].output.meta.get("repair", {})
