@@ -54,32 +54,39 @@ def changes(call: ParsedCall) -> bool:
     return call.error is None and spec is not None and spec.kind == "edit"
 
 
-def preview(ws: Workspace, calls: Sequence[ParsedCall]) -> dict[str, tuple[str, str]] | None:
+def preview(
+    ws: Workspace, calls: Sequence[ParsedCall], *, skipping: bool = False
+) -> dict[str, tuple[str, str]] | None:
     """{path: (text now, text after)} for the files `calls` change, applied in order in
     memory; None when one of them cannot apply (a missing file or `<old>`, a path
-    outside the workspace) or the calls change nothing."""
+    outside the workspace) or the calls change nothing. With `skipping`, a call that
+    cannot apply is passed over, as the executor fails it and runs the others: the
+    files as the calls would leave them. A deletion gives None either way (it leaves
+    no text to score or to try)."""
     before: dict[str, str] = {}
     after: dict[str, str] = {}
-    try:
-        for call in calls:
-            if not changes(call):
-                continue
+    for call in calls:
+        if not changes(call):
+            continue
+        if call.name not in (specs.EDIT_FILE, specs.WRITE_FILE):
+            return None  # a deletion: no code to score
+        try:
             path = ws.relative(ws.resolve(call.raw.get("path", "")))
-            if path not in after:
-                text = ws.read_text(path) if ws.exists(path) else ""
-                before[path] = after[path] = text
+            now = after[path] if path in after else ws.read_text(path) if ws.exists(path) else ""
             if call.name == specs.EDIT_FILE:
                 old, new = call.raw.get("old", ""), call.raw.get("new", "")
-                if not old or old == new or not ws.exists(path):
-                    return None
+                if not old or old == new or (path not in after and not ws.exists(path)):
+                    raise ValueError("an edit that cannot apply")
                 replace_all = call.raw.get("replace_all", "").strip().lower() == "true"
-                after[path] = apply_edit(after[path], old, new, replace_all)[0]
-            elif call.name == specs.WRITE_FILE:
-                after[path] = call.raw.get("content", "")
-            else:  # a deletion: no code to score
-                return None
-    except (ToolError, OSError, ValueError, UnicodeDecodeError):
-        return None
+                text = apply_edit(now, old, new, replace_all)[0]
+            else:
+                text = call.raw.get("content", "")
+        except (ToolError, OSError, ValueError, UnicodeDecodeError):
+            if skipping:
+                continue
+            return None
+        before.setdefault(path, now)  # the first call on a path sees the file as it is
+        after[path] = text
     changed = {p: (before[p], after[p]) for p in after if after[p] != before[p]}
     return changed or None
 

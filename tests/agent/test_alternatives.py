@@ -46,6 +46,24 @@ def test_preview_applies_a_candidates_changes_in_memory_only(repo):
     assert made == {"new.py": ("", "x = 1")}  # as the call gives it, as write_file writes it
 
 
+def test_a_preview_skipping_what_cannot_apply_gives_the_files_as_the_calls_leave_them(repo):
+    ws = LocalWorkspace(repo)
+    (repo / "calc.py").write_text(CODE)
+    fix = edit("    return a - b", "    return a + b")
+    # the same edit twice, as a model sends it: the second finds no <old> and fails
+    for text in (fix + fix, edit("x", "y", path="../outside.py") + fix + edit("    nope", "")):
+        assert alt.preview(ws, calls(text)) is None
+        assert alt.preview(ws, calls(text), skipping=True) == {
+            "calc.py": (CODE, CODE.replace("a - b", "a + b"))
+        }
+    for nothing in (fix.replace("a + b", "a - b"), fix + '<delete_file path="calc.py"/>'):
+        assert alt.preview(ws, calls(nothing), skipping=True) is None
+    # a file a call writes can be edited by the calls after it
+    made = '<write_file path="new.py"><content>x = 1\n</content></write_file>'
+    made += edit("x = 1", "x = 2", path="new.py")
+    assert alt.preview(ws, calls(made)) == {"new.py": ("", "x = 2")}
+
+
 def test_the_window_holds_the_change_and_the_lines_around_it():
     before = "".join(f"line {i}\n" for i in range(200))
     after = before.replace("line 100\n", "line 100!\n")

@@ -177,9 +177,10 @@ async def test_an_edit_that_leaves_the_bug_caught_by_another_test_is_not_made(re
     assert text == PICK and meta["turned_down"]["partial"] == 1 and "gain" not in meta
 
 
-async def held_session(repo, monkeypatch, check: str, **config):
+async def held_session(repo, monkeypatch, check: str, twice: bool = False, **config):
     """A session whose model reproduces the failure with `check`, sends a wrong change
-    with a rerun, then reads m.py; the one edit proposed is wrong too."""
+    (`twice`: the same edit twice, the second of which cannot apply) with a rerun, then
+    reads m.py; the one edit proposed is wrong too."""
     (repo / "m.py").write_text(PICK)
     (repo / "test_m.py").write_text(BOTH)
     wrong = PICK.replace("        return lo", "        return hi")
@@ -191,7 +192,7 @@ async def held_session(repo, monkeypatch, check: str, **config):
         return [repair.Proposal("m.py", wrong, "        return lo", "        return hi", 0.0)]
 
     monkeypatch.setattr(repair, "propose", proposed)
-    change = "A fix.\n" + edit("    return 0", "    return 1") + "\n" + run(check)
+    change = "A fix.\n" + edit("    return 0", "    return 1") * (1 + twice) + "\n" + run(check)
     model = Repairing([run(check), change, 'Reading.\n<read_file path="m.py"/>', "Done."], KNOWN)
     cfg = SessionConfig(approve="all", repair=True, **config)
     return await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
@@ -203,14 +204,17 @@ async def test_a_change_that_still_fails_the_test_is_not_made_when_no_edit_passe
     """The change and the one proposed edit both fail the test: the change is not made,
     its call says why, the rerun after it runs, and the next repair, of the same code,
     knows the edit failed."""
-    result = await held_session(repo, monkeypatch, ONE)
-    assert (repo / "m.py").read_text() == PICK
-    change, rerun = result.turns[1].calls
-    assert change.result.status == "error" and change.result.output.startswith("not made:")
-    assert ONE in change.result.output
-    assert rerun.result.meta["exit_code"] != 0  # it ran, on the code as it was
-    assert result.turns[1].output.meta["repair"]["held_back"] == 1
-    assert result.turns[2].output.meta["repair"]["known_failed"] == 1
+    for twice in (False, True):
+        result = await held_session(repo, monkeypatch, ONE, twice=twice)
+        assert (repo / "m.py").read_text() == PICK
+        *changes, rerun = result.turns[1].calls
+        assert len(changes) == 1 + twice
+        for change in changes:
+            assert change.result.status == "error"
+            assert change.result.output.startswith("not made:") and ONE in change.result.output
+        assert rerun.result.meta["exit_code"] != 0  # it ran, on the code as it was
+        assert result.turns[1].output.meta["repair"]["held_back"] == 1 + twice
+        assert result.turns[2].output.meta["repair"]["known_failed"] == 1
 
 
 async def test_a_failing_change_is_made_when_holding_is_off_or_the_check_names_no_test(
