@@ -236,6 +236,13 @@ def narrowed_command(command: str, output: str) -> str | None:
     return shlex.join([*head, *(w for w in kept if w not in paths), *failed])
 
 
+def ran_no_test(command: str, exit_code: object) -> bool:
+    """Whether a run of `command` that exited with `exit_code` was a pytest run of no
+    test at all: 4, a usage error (a path that is not there, an unknown option), or 5,
+    no test collected (a `-k` that matches none). Such a run checks no code."""
+    return exit_code in (4, 5) and _pytest_words(command) is not None
+
+
 def _pytest_words(command: str) -> tuple[list[str], list[str]] | None:
     """(the words up to `pytest`, those after), for a command with no shell syntax."""
     if _SHELL.search(command):

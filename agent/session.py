@@ -284,10 +284,15 @@ def _check_meta(call: CallRecord) -> dict[str, Any] | None:
 def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
     """(command, seconds it ran) of the model's last check when that check failed, by
     its exit code, not by a kill; None when it passed, was killed, or there is none.
-    What a change is tried against before it is made (`SessionConfig.verify_s`)."""
+    What a change is tried against before it is made (`SessionConfig.verify_s`). A
+    pytest run of no test (`localize.ran_no_test`: a wrong path, a `-k` matching none)
+    is passed over: no change can make it pass, and the check before it still holds."""
     last = None
     for c in (c for t in turns for c in t.calls):
-        if (meta := _check_meta(c)) is not None:
+        meta = _check_meta(c)
+        if meta is not None and not localize.ran_no_test(
+            str(c.args.get("command", "")), meta.get("exit_code")
+        ):
             last = (c, meta)
     if last is None:
         return None

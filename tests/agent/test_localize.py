@@ -190,3 +190,19 @@ async def test_an_edit_that_breaks_another_test_of_the_file_is_not_taken(repo):
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
     assert result.turns[1].output.meta["repair"]["runs"] >= 3
+
+
+def test_a_pytest_run_of_no_test_is_told_apart():
+    for command, code in (
+        ("python -m pytest -q tests/test_nope.py", 4),
+        ("pytest -k no_such_test", 5),
+        (".venv/bin/pytest -x", 5),
+    ):
+        assert localize.ran_no_test(command, code), command
+    for command, code in (
+        ("python -m pytest -q", 1),  # tests failed
+        ("python -m pytest -q", 2),  # interrupted: a collection error is the code's
+        ("python -c 'import sys; sys.exit(4)'", 4),  # not pytest
+        ("cd src && pytest", 5),  # shell syntax: not known to be a plain pytest run
+    ):
+        assert not localize.ran_no_test(command, code), command

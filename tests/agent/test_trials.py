@@ -231,3 +231,26 @@ async def test_a_failing_change_is_made_when_holding_is_off_or_the_check_names_n
         assert "held_back" not in result.turns[1].output.meta["repair"]
         # the code changed: the edit that failed before is tried again
         assert "known_failed" not in result.turns[2].output.meta.get("repair", {})
+
+
+async def test_a_pytest_run_of_no_test_does_not_replace_the_failing_check(repo, monkeypatch):
+    """The model runs the failing test, and beside it a test file that is not there
+    (pytest's exit 4: no test ran): the repair still tries its edits against the test
+    that failed, the only run that checked the code."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(BOTH)
+
+    async def proposed(*args, **kw):
+        return [repair.Proposal("m.py", PICK.replace(*RIGHT), *RIGHT, 0.0)]
+
+    monkeypatch.setattr(repair, "propose", proposed)
+    missing = "python -m pytest -q -p no:cacheprovider test_missing.py"
+    read = '<read_file path="m.py"/>'
+    model = Repairing(
+        ["Running.\n" + run(ONE) + run(missing), "Reading.\n" + read, "Fixed."], KNOWN
+    )
+    cfg = SessionConfig(approve="all", repair=True)
+    result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
+    assert result.turns[0].calls[1].result.meta["exit_code"] == 4
+    assert result.turns[1].output.meta["repair"]["command"] == ONE
+    assert (repo / "m.py").read_text() == PICK.replace(*RIGHT)
