@@ -49,8 +49,8 @@ import re
 import tokenize
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from opencomposer.agent.alternatives import CONTEXT_TOKENS
 from opencomposer.agent.text import common_ends
@@ -131,6 +131,23 @@ class Span:
 
 
 @dataclass(frozen=True)
+class FirstOrder:
+    """Where an edit's first-order gain is read (`first_order_gain`): the site (the
+    index into `site_prompts`), the token of its body the edit starts at, how it
+    begins (`SUB` another token in its place, `INS` one before it, `DROP` it dropped)
+    and the token it puts there (-1 for a drop). An edit continued greedily (`_grow`)
+    keeps the one it grew from: the ranking reads only that."""
+
+    site: int
+    at: int
+    how: str
+    token: int
+
+
+SUB, INS, DROP = "sub", "ins", "drop"
+
+
+@dataclass(frozen=True)
 class Proposal:
     path: str
     after: str  # the whole file with the edit made
@@ -138,6 +155,7 @@ class Proposal:
     new: str  # and as the edit makes them
     gain: float  # log P(code after the edit) - log P(code now), over the edit's window
     exact: bool = True  # False: `gain` is the first-order estimate (`TAIL`)
+    first: FirstOrder | None = None  # where its first-order gain is read
 
 
 def is_test_file(path: str) -> bool:
@@ -227,6 +245,8 @@ class _Edit:
     drop: int  # tokens of the body it replaces (0: an insertion)
     put: tuple[int, ...]  # tokens it puts there
     first_order: float
+    how: str = SUB  # how the edit it grew from began (`FirstOrder.how`)
+    lead: int = -1  # the token that edit put first (-1: a drop)
 
 
 def _shape(path: str, text: str) -> tuple[list[str], str] | None:
@@ -329,18 +349,43 @@ async def propose(
     chosen.sort(key=lambda c: (sites.index(c[0]), c[1].at))
     rows_of = dict(zip(sites, tops, strict=True))  # a site is hashed by identity
     gains = await asyncio.gather(*(_gain(lm, site, e, rows_of[site]) for site, e, _ in chosen))
-    out: list[Proposal] = []
-    for (site, _, new_body), gain in zip(chosen, gains, strict=True):
-        if math.isfinite(gain):
-            after = site.head + new_body + site.tail
-            old, new = _changed_lines(site.text, after)
-            out.append(Proposal(site.span.path, after, old, new, gain))
-    out.sort(key=lambda p: -p.gain)
-    for site, e, new_body in rest:
+
+    def proposal(site: _Site, e: _Edit, new_body: str, gain: float, exact: bool) -> Proposal:
         after = site.head + new_body + site.tail
         old, new = _changed_lines(site.text, after)
-        out.append(Proposal(site.span.path, after, old, new, e.first_order, exact=False))
+        first = FirstOrder(order[site], e.at, e.how, e.lead)
+        return Proposal(site.span.path, after, old, new, gain, exact, first)
+
+    out = [
+        proposal(site, e, new_body, gain, True)
+        for (site, e, new_body), gain in zip(chosen, gains, strict=True)
+        if math.isfinite(gain)
+    ]
+    out.sort(key=lambda p: -p.gain)
+    out += [proposal(site, e, new_body, e.first_order, False) for site, e, new_body in rest]
     return out
+
+
+def site_prompts(
+    tok: Tokens, texts: dict[str, str], spans: Sequence[Span]
+) -> list[tuple[list[int], int]]:
+    """(what the model reads, where the code in focus starts in it) at each site
+    `propose` makes of `spans`, in the order `FirstOrder.site` counts them."""
+    return [(site.prompt, site.offset) for site in _sites(tok, texts, _merged(spans))]
+
+
+def first_order_gain(first: FirstOrder, body: Sequence[int], lp: Callable[[int, int], Any]) -> Any:
+    """An edit's first-order gain as `_edits` reads it, from `lp(j, t)`, log P(token t
+    at the body's token j | the tokens before it): floats, or a differentiable
+    tensor's entries (`training/repairrl.py`). A dropped token is scored with the
+    odds of the one after it exactly, where `_edits` bounds them when they are not
+    among its top tokens."""
+    j = first.at
+    here = lp(j, body[j])
+    if first.how == DROP:
+        return lp(j, body[j + 1]) - here - lp(j + 1, body[j + 1])
+    gain = lp(j, first.token) - here
+    return gain - 1.0 if first.how == INS else gain
 
 
 def _kept(
@@ -503,17 +548,17 @@ def _edits(
             if not piece.strip() or (python and "#" in piece):
                 continue  # white space alone, or a comment that puts code out of play
             if visible[j]:
-                edits.append(_Edit(j, 1, (alt,), lp - here))
+                edits.append(_Edit(j, 1, (alt,), lp - here, SUB, alt))
             # an insertion keeps the token there, whose odds after it are unknown: taken
             # as a substitution's, less a nat for the longer code
-            edits.append(_Edit(j, 0, (alt,), lp - here - 1.0))
+            edits.append(_Edit(j, 0, (alt,), lp - here - 1.0, INS, alt))
         if visible[j] and j + 1 < len(ids) and top:
             # the odds of the token after, were this one dropped: the model's own when
             # it is among its top tokens here, else at most the last of those, less a nat
             nxt = probs.get(ids[j + 1])
             if nxt is None:
                 nxt = top[-1][1] - 1.0
-            edits.append(_Edit(j, 1, (), nxt - here - rows[j + 1][0]))
+            edits.append(_Edit(j, 1, (), nxt - here - rows[j + 1][0], DROP))
     return edits
 
 
@@ -621,12 +666,12 @@ async def _grow(
             if t == rejoin and not met:
                 met = True
                 if n:
-                    grown.append((site, _Edit(e.at, e.drop, (*e.put, *cont[:n]), e.first_order)))
+                    grown.append((site, replace(e, put=(*e.put, *cont[:n]))))
                 if r < 0 or r == e.at + e.drop:
                     break
             elif piece.lstrip(" ").startswith(("\n", "#")):  # the line's code, written anew
                 if r >= 0:
-                    grown.append((site, _Edit(e.at, r - e.at, (*e.put, *cont[:n]), e.first_order)))
+                    grown.append((site, replace(e, drop=r - e.at, put=(*e.put, *cont[:n]))))
                 break
             elif "\n" in piece:
                 break

@@ -213,6 +213,44 @@ async def test_the_model_may_write_the_rest_of_a_line_anew():
     assert text.replace("ratio(b, a)", "ratio(a, b)") in [p.after for p in got]
 
 
+async def test_each_proposal_says_where_its_first_order_gain_is_read():
+    # what RL on the ranking (`training/repairrl.py`) recomputes from the model's odds:
+    # every tail proposal's gain is `first_order_gain` over the rows of its site
+    lm = NGram(KNOWN)
+    text = (
+        "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n\n"
+        "def total(pairs):\n    return sum(p for p, q in pairs)\n"
+    )
+    spans = [repair.Span("m.py", 0, 4), repair.Span("m.py", 5, 7)]
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, spans, rescore=0, tail=400)
+    prompts = repair.site_prompts(lm.tok, {"m.py": text}, spans)
+    assert len(prompts) == 1  # the two functions are read as one text, one site
+    prompt, offset = prompts[0]
+    body = prompt[offset:]
+    assert lm.tok.decode(body) == text
+    full = {}  # log P(every character | the text before it), by body position
+
+    def lp(j, t):
+        if j not in full:
+            full[j] = lm.dist(lm._text(prompt[: offset + j]))
+        return full[j].get(chr(t - 1), math.log(1e-6))
+
+    hows = set()
+    for p in got:
+        assert p.first is not None and p.first.site == 0
+        hows.add(p.first.how)
+        gain = repair.first_order_gain(p.first, body, lp)
+        if p.first.how == repair.DROP:  # where the token after is not among the top
+            # tokens, `_edits` takes the last of those less a nat for its odds
+            assert p.gain - 1e-9 <= gain <= p.gain + 1.0 + 1e-9
+        else:
+            assert math.isclose(gain, p.gain, abs_tol=1e-9), p
+    assert hows == {repair.SUB, repair.INS, repair.DROP}
+    # the fix's gain is read where it changes the code: after `lo <`, `=` put before ` hi`
+    fix = next(p for p in got if p.after == text.replace("lo < hi", "lo <= hi"))
+    assert fix.first.how == repair.INS and fix.first.at == text.index(" hi:")
+
+
 def test_the_spans_of_a_file_are_read_one_after_another(monkeypatch):
     tok = Chars()
     other = "X = 1\n\ndef g():\n    return X\n"
