@@ -374,6 +374,43 @@ def site_prompts(
     return [(site.prompt, site.offset) for site in _sites(tok, texts, _merged(spans))]
 
 
+def first_edit(
+    tok: Tokens, texts: dict[str, str], spans: Sequence[Span], path: str, after: str
+) -> FirstOrder | None:
+    """Where an edit that leaves file `path` as `after` begins, as `FirstOrder` counts
+    the sites `propose` makes of `spans`: the first token of a site's code it changes,
+    and the token it puts there first (an insertion when the token there follows it,
+    a drop when the edit only removes tokens). None when it changes no site alone (it reaches outside
+    the code in focus) or only at the code's last token. `propose` makes the edits it
+    ranks this way; an edit it does not propose (its first token is not among the
+    model's top tokens there) can still be scored as one (`training/repairrl.py`)."""
+    for n, site in enumerate(_sites(tok, texts, _merged(spans))):
+        cut = len(after) - len(site.tail)
+        if site.span.path != path or cut < len(site.head):
+            continue
+        if not (after.startswith(site.head) and after.endswith(site.tail)):
+            continue
+        body = after[len(site.head) : cut]
+        if body == site.body:
+            continue
+        old, new = site.ids, tok.encode(body)
+        i = 0
+        while i < min(len(old), len(new)) and old[i] == new[i]:
+            i += 1
+        k = 0
+        while k < min(len(old), len(new)) - i and old[-1 - k] == new[-1 - k]:
+            k += 1
+        put = new[i : len(new) - k]
+        if i + 1 >= len(old):
+            return None
+        if not put:
+            return FirstOrder(n, i, DROP, -1)
+        # an insertion when the token there comes right after the first one put
+        kept = len(old) - k == i or (i + 1 < len(new) and new[i + 1] == old[i])
+        return FirstOrder(n, i, INS if kept else SUB, put[0])
+    return None
+
+
 def first_order_gain(first: FirstOrder, body: Sequence[int], lp: Callable[[int, int], Any]) -> Any:
     """An edit's first-order gain as `_edits` reads it, from `lp(j, t)`, log P(token t
     at the body's token j | the tokens before it): floats, or a differentiable

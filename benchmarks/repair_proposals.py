@@ -14,17 +14,18 @@ and at all, and the median time:
 
     OPENCOMPOSER_CORPUS=~/.cache/opencomposer/corpus-heldout \\
         python benchmarks/repair_proposals.py --tasks 24
+
+`--model LABEL=FOLDER` more than once compares models on the same tasks in one run
+(`training/repairrl.py`'s checkpoints against the shipped policy, say), each task's rank
+side by side, then each model's counts.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
-import json
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -34,27 +35,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from heldout import cpu_model  # noqa: E402
 
 
-def nearest(text: str, line: int, n: int) -> list[int]:
-    """The first lines (0-based) of the `n` functions of `text` nearest 0-based `line`,
-    outside the one around it, nearest first."""
-    if n <= 0:
-        return []
-    funcs = [
-        (node.lineno - 1, node.end_lineno or node.lineno)
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-    ]
-    outside = [(a, b) for a, b in funcs if not a <= line < b]
-    outside.sort(key=lambda f: min(abs(f[0] - line), abs(f[1] - line)))
-    return [a for a, _ in outside[:n]]
-
-
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split", default="heldout")
-    ap.add_argument("--model", default="", help="a llama.cpp model folder (default: smollm2)")
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[LABEL=]FOLDER",
+        help="a llama.cpp model folder (default: smollm2); again to compare",
+    )
     ap.add_argument("--rescore", type=int, help="candidates scored exactly (repair.RESCORE)")
     ap.add_argument("--tail", type=int, help="unscored candidates after them (repair.TAIL)")
     ap.add_argument(
@@ -79,9 +71,10 @@ async def main() -> int:
 
     from opencomposer.agent import repair
     from opencomposer.agent.backends.llamacpp import LlamaCppModel
-    from opencomposer.agent.backends.smollm2 import smollm2_path
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.demos import spread
+    from opencomposer.training.repairrl import broken_state
+    from opencomposer.training.sft_offline import model_dir
 
     if a.rescore_tokens is not None:
         repair.RESCORE_TOKENS = a.rescore_tokens
@@ -91,57 +84,67 @@ async def main() -> int:
     if not tasks:
         print(f"error: the corpus has no {a.split} tasks (build it first)", file=sys.stderr)
         return 1
-    model = LlamaCppModel(a.model or smollm2_path())
-    await model.start()
+    models = [m.partition("=")[::2] if "=" in m else (m, m) for m in a.model]
+    models = [(label, str(model_dir(spec))) for label, spec in models or [("shipped", "smollm2")]]
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     print(f"repair proposals, {len(tasks)} tasks; CPU {cpu_model()}, load {load}")
-    ranks: list[int | None] = []
-    seconds: list[float] = []
-    try:
-        for task in tasks:
-            solution = json.loads((task.dir / "solution.json").read_text())
-            if len(solution["edits"]) != 1:
-                print(f"{task.id}: two sites, left out")
-                continue
-            fix = solution["edits"][0]
-            with tarfile.open(task.repo_tar) as tar:
-                member = tar.extractfile(fix["path"])
-                text = member.read().decode() if member else ""
-            if text.count(fix["old"]) != 1:
-                print(f"{task.id}: the broken lines are not found once, left out")
-                continue
-            fixed = text.replace(fix["old"], fix["new"])
-            texts = {fix["path"]: text}
-            line = fix["line"] - 1
-            others = [(fix["path"], n) for n in nearest(text, line, a.others)]
-            spans = repair.focus(texts, [(fix["path"], line), *others])
-            t0 = time.perf_counter()
-            sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
-            got = await repair.propose(model, model.tokenizer, texts, spans, **sizes)
-            seconds.append(time.perf_counter() - t0)
-            rank = next((i for i, p in enumerate(got) if p.after == fixed), None)
-            ranks.append(rank)
-            lines = sum(s.end - s.start for s in spans)
-            where = "not proposed" if rank is None else f"rank {rank + 1}"
-            print(
-                f"{task.id} ({solution['kind']}): {where} of {len(got)},"
-                f" {lines} lines, {seconds[-1]:.1f} s"
-            )
-    finally:
-        await model.close()
-    if not ranks:
+    states = []
+    for task in tasks:
+        state = broken_state(task, a.others)
+        if state is None:
+            print(f"{task.id}: two sites, or the broken lines are not found once: left out")
+            continue
+        states.append((task, state, [repair.Span(*span) for span in state["spans"]]))
+    if not states:
         print("no single-site task")
         return 1
-    n = len(ranks)
-    within = [sum(r is not None and r < k for r in ranks) for k in (1, 5, 10, 20)]
-    found = sum(r is not None for r in ranks)
-    print(
-        f"\n{n} single-site tasks: the fix ranks first in {within[0]}, within 5 in"
-        f" {within[1]}, within 10 in {within[2]}, within 20 in {within[3]};"
-        f" proposed at all in {found}/{n}. Proposing: median {statistics.median(seconds):.1f} s,"
-        f" max {max(seconds):.1f} s"
-    )
+    sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
+    ranks: dict[str, list[int | None]] = {}
+    seconds: dict[str, list[float]] = {}
+    for label, folder in models:
+        model = LlamaCppModel(folder)
+        await model.start()
+        ranks[label], seconds[label] = [], []
+        try:
+            for task, state, spans in states:
+                t0 = time.perf_counter()
+                texts = {state["path"]: state["text"]}
+                got = await repair.propose(model, model.tokenizer, texts, spans, **sizes)
+                seconds[label].append(time.perf_counter() - t0)
+                rank = next((i for i, p in enumerate(got) if p.after == state["fixed"]), None)
+                ranks[label].append(rank)
+                lines = sum(s.end - s.start for s in spans)
+                where = "not proposed" if rank is None else f"rank {rank + 1}"
+                print(
+                    f"{label}: {task.id} ({state['kind']}): {where} of {len(got)},"
+                    f" {lines} lines, {seconds[label][-1]:.1f} s"
+                )
+        finally:
+            await model.close()
+    n = len(states)
+    print()
+    for label, _ in models:
+        got = ranks[label]
+        within = [sum(r is not None and r < k for r in got) for k in (1, 5, 10, 20, 50)]
+        found = sum(r is not None for r in got)
+        print(
+            f"{label}: {n} single-site tasks: the fix ranks first in {within[0]}, within 5 in"
+            f" {within[1]}, within 10 in {within[2]}, within 20 in {within[3]}, within 50 in"
+            f" {within[4]}; proposed at all in {found}/{n}. Proposing: median"
+            f" {statistics.median(seconds[label]):.1f} s, max {max(seconds[label]):.1f} s"
+        )
+    if len(models) > 1:
+        base = models[0][0]
+        for label, _ in models[1:]:
+            pairs = [
+                (b, o)
+                for b, o in zip(ranks[base], ranks[label], strict=True)
+                if b is not None or o is not None
+            ]
+            up = sum(o is not None and (b is None or o < b) for b, o in pairs)
+            down = sum(b is not None and (o is None or b < o) for b, o in pairs)
+            print(f"{label} against {base}: the fix ranks higher in {up} tasks, lower in {down}")
     return 0
 
 

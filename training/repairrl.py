@@ -18,7 +18,12 @@ rewards from the environment:
    the candidates are its actions. The first `--graded` of them are graded, and so is
    the one that makes the reference fix wherever it ranks (found by comparing texts;
    it is graded by its trial run like the others), so a state whose fix ranks low
-   still tells the policy where it is.
+   still tells the policy where it is. A fix the proposer misses (its first token is
+   not among the model's top tokens where it begins) is graded too, as the edit it
+   begins with (`repair.first_edit`): raising that token's odds is what brings it
+   among the candidates. A state whose fix is neither is not graded (`--all-states`
+   grades it too): another edit that passes is rare there, and grading is most of a
+   state's time.
 3. **Reward**: each graded candidate is tried against the task's failing tests in a
    forked trial run in the task's sandboxed workspace (`agent/trials.forked`, the
    session's own trial runs): 1 when the tests pass, 0 when they fail; a candidate
@@ -186,11 +191,14 @@ async def collect(
     out: Path,
     graded: int,
     others: int,
+    proposed_only: bool = True,
     log: Any = print,
 ) -> list[dict[str, Any]]:
     """Propose with `model` (a `repair.TokenLM` with its `tokenizer`), grade and append
     one group per task to `out` (those there already are kept and not redone); returns
-    every group in `out`."""
+    every group in `out`. With `proposed_only`, a state whose candidates do not hold the
+    reference fix is not graded: its candidates almost never pass (another edit that
+    passes is rare), and grading them is most of a state's time."""
     from opencomposer.agent import repair
     from opencomposer.training.env import EnvConfig, Workspaces, remove_workspace
 
@@ -213,11 +221,20 @@ async def collect(
                 got = await repair.propose(model, model.tokenizer, texts, spans)
                 afters = [p.after for p in got]
                 picked = graded_indices(afters, state["fixed"], graded)
-                workspace = await ws.template(task)
-                verdicts = await grade(
-                    task, workspace, state["command"], [{got[i].path: got[i].after} for i in picked]
-                )
                 ref = next((i for i, a in enumerate(afters) if a == state["fixed"]), None)
+                # a fix the proposer misses, scored as the edit it would begin with
+                missed = None
+                if ref is None:
+                    missed = repair.first_edit(
+                        model.tokenizer, texts, spans, state["path"], state["fixed"]
+                    )
+                verdicts = None
+                if ref is not None or missed is not None or not proposed_only:
+                    workspace = await ws.template(task)
+                    candidates = [{got[i].path: got[i].after} for i in picked]
+                    if missed is not None:
+                        candidates.append({state["path"]: state["fixed"]})
+                    verdicts = await grade(task, workspace, state["command"], candidates)
                 row |= {
                     "kind": state["kind"],
                     "path": state["path"],
@@ -226,9 +243,24 @@ async def collect(
                     "proposed": len(got),
                     "reference_rank": ref,
                 }
-                if verdicts is None:
+                if ref is None and missed is None and proposed_only:
+                    row["skipped"] = "the fix is neither proposed nor one edit of the code in focus"
+                elif verdicts is None:
                     row["skipped"] = "the trial run could not be made, or the code did not fail"
                 else:
+                    extra = []
+                    if missed is not None:
+                        reward = verdicts.pop()
+                        extra.append(
+                            {
+                                "rank": None,
+                                "first": _first(missed),
+                                "gain": None,
+                                "reward": None if reward is None else float(reward),
+                                "reference": True,
+                                "new": _changed(state),
+                            }
+                        )
                     row["candidates"] = [
                         {
                             "rank": i,
@@ -239,7 +271,7 @@ async def collect(
                             "new": got[i].new,
                         }
                         for i, v in zip(picked, verdicts, strict=True)
-                    ]
+                    ] + extra
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             cands = row.get("candidates", [])
@@ -252,6 +284,7 @@ async def collect(
                     else f"{passed} of {len(cands)} graded pass, the fix ranks "
                     f"{'nowhere' if row['reference_rank'] is None else row['reference_rank'] + 1}"
                     f" of {row['proposed']}"
+                    + (", graded as the edit it begins with" if missed is not None else "")
                 )
                 + f" ({time.perf_counter() - t0:.1f} s)"
             )
@@ -259,6 +292,14 @@ async def collect(
         await ws.aclose()
         remove_workspace(root)
     return read_groups(out)
+
+
+def _changed(state: dict[str, Any]) -> str:
+    from opencomposer.agent.text import common_ends
+
+    a, b = state["text"].splitlines(keepends=True), state["fixed"].splitlines(keepends=True)
+    head, tail = common_ends(a, b)
+    return "".join(b[head : len(b) - tail])
 
 
 def _first(first: Any) -> list[Any] | None:
@@ -365,7 +406,11 @@ def train(
     """Train a LoRA adapter on `folder`'s policy over the learnable `groups`; returns the
     last checkpoint (resumes from the newest under `out/checkpoints`)."""
     import torch
-    from opencomposer.agent.backends._local import ChatTokenizer, read_model_settings
+    from opencomposer.agent.backends._local import (
+        ChatTokenizer,
+        read_model_settings,
+        write_model_settings,
+    )
     from opencomposer.training.lora import (
         checkpoint_adapter,
         load_adapter_state,
@@ -441,6 +486,9 @@ def train(
         )
         if (step + 1) % checkpoint_every == 0 or step + 1 == total:
             last = save_adapter_checkpoint(trainer, out / "checkpoints" / f"step_{step + 1}")
+            # the policy's own settings (its `repair` among them): this trains the ranking
+            # the session's repair uses, and a merged checkpoint runs as the policy did
+            write_model_settings(last, settings)
             torch.save(trainer.optimizer.state_dict(), last / OPTIMIZER_STATE)
     if last is None:
         raise RepairRLError(f"{out}: no step to take and no checkpoint")
@@ -475,6 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--states", type=int, default=200, help="tasks, round-robin over projects")
     c.add_argument("--graded", type=int, default=24, help="candidates graded per state")
     c.add_argument("--others", type=int, default=1, help="nearest functions also in focus")
+    c.add_argument(
+        "--all-states",
+        action="store_true",
+        help="grade states whose candidates do not hold the reference fix too",
+    )
     t = sub.choices["train"]
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--groups-per-step", type=int, default=8)
@@ -502,7 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.time()
         if a.cmd == "collect":
             picked = spread(tasks, a.states, a.seed)
-            groups = asyncio.run(_collect(picked, folder, groups_file, a.graded, a.others))
+            groups = asyncio.run(
+                _collect(picked, folder, groups_file, a.graded, a.others, not a.all_states)
+            )
             print(summary(groups) + f" ({time.time() - t0:.0f} s)")
             return 0
         groups = read_groups(groups_file)
@@ -531,14 +586,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _collect(
-    tasks: Sequence[Any], folder: Path, out: Path, graded: int, others: int
+    tasks: Sequence[Any], folder: Path, out: Path, graded: int, others: int, proposed_only: bool
 ) -> list[dict[str, Any]]:
     from opencomposer.agent.backends.llamacpp import LlamaCppModel
 
     model = LlamaCppModel(str(folder))
     await model.start()
     try:
-        return await collect(tasks, model=model, out=out, graded=graded, others=others)
+        return await collect(
+            tasks,
+            model=model,
+            out=out,
+            graded=graded,
+            others=others,
+            proposed_only=proposed_only,
+        )
     finally:
         await model.close()
 

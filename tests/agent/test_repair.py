@@ -3,6 +3,7 @@
 (`propose`), and a session that makes the edit that passes in place of its own, with a
 test-double model whose predictions come from a character n-gram model of code."""
 
+import asyncio
 import functools
 import math
 from collections import Counter, defaultdict
@@ -249,6 +250,33 @@ async def test_each_proposal_says_where_its_first_order_gain_is_read():
     # the fix's gain is read where it changes the code: after `lo <`, `=` put before ` hi`
     fix = next(p for p in got if p.after == text.replace("lo < hi", "lo <= hi"))
     assert fix.first.how == repair.INS and fix.first.at == text.index(" hi:")
+
+
+def test_an_edit_is_placed_where_propose_would_begin_it():
+    lm = NGram(KNOWN)
+    text = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n\nX = 1\n"
+    texts, spans = {"m.py": text}, [repair.Span("m.py", 0, 4)]
+
+    def first(after):
+        return repair.first_edit(lm.tok, texts, spans, "m.py", after)
+
+    at = text.index(" hi:")
+    assert first(text.replace("lo < hi", "lo <= hi")) == repair.FirstOrder(
+        0, at, repair.INS, ord("=") + 1
+    )
+    lt = text.index("< hi")
+    assert first(text.replace("lo < hi", "lo > hi")) == repair.FirstOrder(
+        0, lt, repair.SUB, ord(">") + 1
+    )
+    assert first(text.replace("return lo", "return")) == repair.FirstOrder(
+        0, text.index(" lo\n"), repair.DROP, -1
+    )
+    assert first(text.replace("X = 1", "X = 2")) is None  # outside the code in focus
+    assert first(text) is None
+    # the one `propose` makes of the fix starts where `first_edit` says
+    got = asyncio.run(repair.propose(lm, lm.tok, texts, spans))
+    fix = next(p for p in got if p.after == text.replace("lo < hi", "lo <= hi"))
+    assert fix.first == first(fix.after)
 
 
 def test_the_spans_of_a_file_are_read_one_after_another(monkeypatch):

@@ -27,7 +27,7 @@ TESTS = (
 VERIFY = "python -m pytest -x -q -p no:cacheprovider test_pick.py"
 
 
-def pick_task(tmp_path, split="train"):
+def pick_task(tmp_path, split="train", new="    if lo <= hi:\n"):
     """A one-file project whose `pick` has a flipped comparison (`<` for `<=`: the tie
     returns `hi`, which the test tells apart by identity of the branch taken)."""
     repo = tmp_path / "repo"
@@ -47,9 +47,7 @@ def pick_task(tmp_path, split="train"):
     solution = {
         "kind": "flipped comparison",
         "failing": ["test_pick.py::test_pick_equal"],
-        "edits": [
-            {"path": "pick.py", "line": 2, "old": "    if lo < hi:\n", "new": "    if lo <= hi:\n"}
-        ],
+        "edits": [{"path": "pick.py", "line": 2, "old": "    if lo < hi:\n", "new": new}],
     }
     (folder / "solution.json").write_text(json.dumps(solution))
     return load_task(folder)
@@ -89,6 +87,45 @@ async def test_candidates_are_proposed_and_graded_by_trial_runs(tmp_path):
     # a second run resumes: the graded task is not proposed again
     again = await repairrl.collect([task], model=lm, out=out, graded=6, others=1, log=lines.append)
     assert again == groups and len(lines) == 1
+
+
+async def test_a_fix_the_proposer_misses_is_graded_as_the_edit_it_begins_with(tmp_path):
+    # a fix no candidate makes whole (it adds a comment); its first token is scored
+    task = pick_task(tmp_path, new="    if lo <= hi:  # ties go to lo\n")
+    lm = NGram(KNOWN)
+    lm.tokenizer = lm.tok
+    out = tmp_path / "groups.jsonl"
+    lines: list[str] = []
+    (group,) = await repairrl.collect(
+        [task], model=lm, out=out, graded=6, others=0, log=lines.append
+    )
+    assert group["reference_rank"] is None
+    (ref,) = [c for c in group["candidates"] if c["reference"]]
+    assert ref["rank"] is None and ref["reward"] == 1.0
+    assert ref["first"] == [0, PICK.index(" hi:"), "ins", ord("=") + 1]
+    assert ref["new"] == "    if lo <= hi:  # ties go to lo\n"
+    assert repairrl.learnable(group) and "the edit it begins with" in lines[0]
+
+
+async def test_a_state_whose_fix_is_out_of_reach_is_graded_only_when_asked(tmp_path, monkeypatch):
+    from opencomposer.agent import repair
+
+    task = pick_task(tmp_path, new="    if lo <= hi:  # ties go to lo\n")
+    monkeypatch.setattr(repair, "first_edit", lambda *a: None)
+    lm = NGram(KNOWN)
+    lm.tokenizer = lm.tok
+    out = tmp_path / "groups.jsonl"
+    (group,) = await repairrl.collect([task], model=lm, out=out, graded=6, others=0, log=print)
+    assert group["skipped"] == "the fix is neither proposed nor one edit of the code in focus"
+    assert "candidates" not in group
+    out.unlink()
+    (group,) = await repairrl.collect(
+        [task], model=lm, out=out, graded=6, others=0, proposed_only=False, log=print
+    )
+    passing = [c["new"] for c in group["candidates"] if c["reward"] == 1.0]
+    assert passing == ["    if lo <= hi:\n"] and not any(
+        c["reference"] for c in group["candidates"]
+    )
 
 
 class Chars:
