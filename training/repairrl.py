@@ -341,31 +341,53 @@ def group_loss(
     *,
     temperature: float,
     kl: float,
+    ref_cache: dict[Any, Any] | None = None,
 ) -> tuple[Any, dict[str, float]]:
-    """(-log J + kl · KL(start ‖ now) over the code read, stats) of one learnable group."""
+    """(-log J + kl · KL(start ‖ now), stats) of one learnable group. The model reads
+    each site's prompt only up to the last position a gain reads, and projects to the
+    vocabulary only there; the KL is taken at those positions too, against the
+    adapters-off model's odds (kept in `ref_cache` for the next epoch)."""
     import torch
     from opencomposer.agent import repair
 
     cands = learnable(group)
     spans = [repair.Span(*s) for s in group["spans"]]
     prompts = repair.site_prompts(tok, texts, spans)
-    gains = []
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+    def odds(ids: Any, need: list[int]) -> Any:
+        hidden = decoder(input_ids=ids).last_hidden_state[0, need]
+        return torch.log_softmax(head(hidden).float(), dim=-1)
+
+    rows: dict[int, tuple[dict[int, int], Any]] = {}
     kls = []
-    logps: dict[int, Any] = {}
     for site in sorted({c["first"][0] for c in cands}):
-        ids = torch.tensor([prompts[site][0]])
-        logps[site] = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+        prompt, offset = prompts[site]
+        # the logits at position i predict token i + 1: a gain at body token j reads
+        # position offset + j - 1, a drop's also the next
+        need = sorted(
+            {offset + c["first"][1] - 1 + d for c in cands if c["first"][0] == site for d in (0, 1)}
+        )
+        ids = torch.tensor([prompt[: need[-1] + 1]])
+        logp = odds(ids, need)
+        rows[site] = ({pos: k for k, pos in enumerate(need)}, logp)
         if kl:
-            with torch.no_grad(), adapters_off(model):
-                ref = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-            kls.append((ref.exp() * (ref - logps[site])).sum(-1).mean())
+            key = (group["task_id"], site)
+            ref = ref_cache.get(key) if ref_cache is not None else None
+            if ref is None:
+                with torch.no_grad(), adapters_off(model):
+                    ref = odds(ids, need)
+                if ref_cache is not None:
+                    ref_cache[key] = ref
+            kls.append((ref.exp() * (ref - logp)).sum(-1).mean())
+    gains = []
     for c in cands:
         site, at, how, token = c["first"]
         prompt, offset = prompts[site]
+        where, logp = rows[site]
 
-        def lp(j: int, t: int, logp: Any = logps[site], offset: int = offset) -> Any:
-            # the logits at position i predict token i + 1
-            return logp[offset + j - 1, t]
+        def lp(j: int, t: int, where: Any = where, logp: Any = logp, offset: int = offset) -> Any:
+            return logp[where[offset + j - 1], t]
 
         first = repair.FirstOrder(site, at, how, token)
         gains.append(repair.first_order_gain(first, prompt[offset:], lp))
@@ -424,7 +446,7 @@ def train(
     if not todo:
         raise RepairRLError("no group has candidates that pass and fail: nothing to learn from")
     torch.manual_seed(seed)
-    config = TrainerConfig(lr=lr, lora_rank=lora_rank, lora_alpha=lora_alpha, precision="fp32")
+    config = TrainerConfig(lr=lr, lora_rank=lora_rank, lora_alpha=lora_alpha)
     trainer = Trainer.from_pretrained(folder, config)
     settings = read_model_settings(folder)
     trainer.prompt_style = settings.get("prompt_style")
@@ -443,6 +465,10 @@ def train(
             trainer.optimizer.load_state_dict(torch.load(newest / OPTIMIZER_STATE))
         done = int(newest.name.split("_")[1])
         log(f"resumed from {newest} ({done} of {total} steps)")
+    # bf16 where the CPU computes it natively (or a GPU), else fp32 (`compute_dtype`)
+    bf16 = trainer.compute_dtype == "bf16"
+    ref_cache: dict[Any, Any] = {}
+    out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     params = [p for p in model.parameters() if p.requires_grad]
     last = newest
@@ -458,9 +484,16 @@ def train(
             if group["task_id"] not in texts:
                 task = tasks[group["task_id"]]
                 texts[group["task_id"]] = {group["path"]: broken_text(task, group["path"])}
-            loss, st = group_loss(
-                model, tok, group, texts[group["task_id"]], temperature=temperature, kl=kl
-            )
+            with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss, st = group_loss(
+                    model,
+                    tok,
+                    group,
+                    texts[group["task_id"]],
+                    temperature=temperature,
+                    kl=kl,
+                    ref_cache=ref_cache,
+                )
             (loss / len(batch)).backward()
             for key in stats:
                 stats[key].append(st[key])

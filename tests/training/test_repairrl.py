@@ -188,3 +188,48 @@ def test_held_out_tasks_are_refused(tmp_path, capsys):
     code = repairrl.main(["collect", "--suite", str(task.dir.parent), "--out", str(tmp_path / "o")])
     assert code == 2
     assert "held-out" in capsys.readouterr().err
+
+
+def test_training_saves_resumable_checkpoints_with_the_policys_settings(tmp_path):
+    from opencomposer.agent import repair
+    from opencomposer.agent.backends._local import ChatTokenizer, read_model_settings
+    from opencomposer.agent.backends.smollm2 import gguf_path
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "policy"
+    source = gguf_path()
+    AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "opencomposer.json").write_text('{"prompt_style": "compact", "repair": true}')
+    task = pick_task(tmp_path)
+    tok = ChatTokenizer(folder)
+    texts, spans = {"pick.py": PICK}, [repair.Span("pick.py", 0, 8)]
+    cands = []
+    for new, reward in (("lo <= hi", 1.0), ("lo > hi", 0.0), ("lo < lo", 0.0), ("hi < hi", 0.0)):
+        first = repair.first_edit(tok, texts, spans, "pick.py", PICK.replace("lo < hi", new))
+        assert first is not None, new
+        cands.append({"first": [first.site, first.at, first.how, first.token], "reward": reward})
+    group = {
+        "task_id": task.id,
+        "path": "pick.py",
+        "spans": [["pick.py", 0, 8]],
+        "candidates": cands,
+    }
+    out = tmp_path / "run"
+    lines: list[str] = []
+    kw = dict(folder=folder, out=out, groups_per_step=1, lr=5e-3, temperature=1.0, kl=0.1)
+    kw |= dict(lora_rank=4, lora_alpha=8.0, seed=0, checkpoint_every=4, log=lines.append)
+    last = repairrl.train([group], {task.id: task}, epochs=8, **kw)
+    assert last.name == "step_8" and (out / "checkpoints" / "step_4" / "adapter").is_dir()
+    assert (last / repairrl.OPTIMIZER_STATE).is_file()
+    assert read_model_settings(last)["repair"] is True  # it runs as the policy did
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["logJ"] > rows[0]["logJ"]
+    # a second run with more epochs resumes from step 8 and takes the rest only
+    again = repairrl.train([group], {task.id: task}, epochs=10, **kw)
+    assert again.name == "step_10" and any("resumed from" in x and "step_8" in x for x in lines)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
