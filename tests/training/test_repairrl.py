@@ -13,7 +13,7 @@ from opencomposer.training.lora import LoraConfig, apply_lora
 from opencomposer.training.tasks import load_task, write_task
 from opencomposer.training.trainer import tiny_llama
 
-from tests.agent.test_repair import KNOWN, NGram
+from tests.agent.test_repair import KNOWN, Chars, NGram
 
 PICK = (
     "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n\n\n"
@@ -128,19 +128,6 @@ async def test_a_state_whose_fix_is_out_of_reach_is_graded_only_when_asked(tmp_p
     )
 
 
-class Chars:
-    """Characters as tokens (id = code point + 1, 0 begins a text), for a tiny Llama."""
-
-    bos_id = 0
-    special_ids = frozenset({0})
-
-    def encode(self, text):
-        return [ord(c) + 1 for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i - 1) for i in ids if i > 0)
-
-
 def test_the_update_raises_the_chance_that_the_first_candidate_passes():
     # a group as `collect` writes it: where each candidate's gain is read, its reward
     at = PICK.index(" hi:")  # `=` put before ` hi` makes `<=`
@@ -159,7 +146,7 @@ def test_the_update_raises_the_chance_that_the_first_candidate_passes():
     }
     assert len(repairrl.learnable(group)) == 4
     torch.manual_seed(0)
-    model = tiny_llama(vocab_size=128)
+    model = tiny_llama(vocab_size=128)  # the characters' ids (code point + 1) fit
     apply_lora(model, LoraConfig(rank=4, alpha=8.0))
     texts = {"pick.py": PICK}
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
