@@ -291,7 +291,7 @@ def _is_docstring(stmt: ast.stmt) -> bool:
     )
 
 
-def _changed_lines(before: str, after: str) -> tuple[str, str]:
+def changed_lines(before: str, after: str) -> tuple[str, str]:
     """(old, new): the whole lines that differ between two texts of a file, with lines
     around them added until `old` occurs once in `before`, so an edit can name it."""
     a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
@@ -352,7 +352,7 @@ async def propose(
 
     def proposal(site: _Site, e: _Edit, new_body: str, gain: float, exact: bool) -> Proposal:
         after = site.head + new_body + site.tail
-        old, new = _changed_lines(site.text, after)
+        old, new = changed_lines(site.text, after)
         first = FirstOrder(order[site], e.at, e.how, e.lead)
         return Proposal(site.span.path, after, old, new, gain, exact, first)
 

@@ -258,7 +258,7 @@ async def collect(
                                 "gain": None,
                                 "reward": None if reward is None else float(reward),
                                 "reference": True,
-                                "new": _changed(state),
+                                "new": repair.changed_lines(state["text"], state["fixed"])[1],
                             }
                         )
                     row["candidates"] = [
@@ -292,14 +292,6 @@ async def collect(
         await ws.aclose()
         remove_workspace(root)
     return read_groups(out)
-
-
-def _changed(state: dict[str, Any]) -> str:
-    from opencomposer.agent.text import common_ends
-
-    a, b = state["text"].splitlines(keepends=True), state["fixed"].splitlines(keepends=True)
-    head, tail = common_ends(a, b)
-    return "".join(b[head : len(b) - tail])
 
 
 def _first(first: Any) -> list[Any] | None:
@@ -554,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--seed", type=int, default=0)
     c = sub.choices["collect"]
     c.add_argument("--states", type=int, default=200, help="tasks, round-robin over projects")
-    c.add_argument("--graded", type=int, default=24, help="candidates graded per state")
+    c.add_argument("--graded", type=int, default=16, help="candidates graded per state")
     c.add_argument("--others", type=int, default=1, help="nearest functions also in focus")
     c.add_argument(
         "--all-states",
