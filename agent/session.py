@@ -69,7 +69,9 @@ _EVENT_OUTPUT_LIMIT = 4_000  # characters of a tool result that live views get i
 DEFAULT_MAX_TURNS = 25
 # A turn whose calls all failed, made again unchanged with the same results this many
 # turns in a row, ends the session (status "repetition"): a model in that loop does
-# not leave it, and every further turn spends time and tokens on the same error.
+# not leave it, and every further turn spends time and tokens on the same error. A
+# turn whose repair (`SessionConfig.repair`) ruled out candidates is not such a turn:
+# the next one tries the candidates after them.
 STUCK_TURNS = 3
 # A trial run of a candidate change (`SessionConfig.verify_s`) may take this many times
 # what the failing command took, and at least TRIAL_MIN_S seconds.
@@ -218,10 +220,22 @@ _TIMING = re.compile(r"\b\d+(?:\.\d+)?s\b|\b\d+:\d\d:\d\d\b")
 
 
 def _failing(turn: TurnRecord) -> list[tuple[str, str, str]] | None:
-    """A turn's calls with their errors, when every call it made failed; else None."""
+    """A turn's calls with their errors, when every call it made failed and its repair
+    did not move on (`_searching`); else None."""
     if not turn.calls or any(c.result is None or c.result.status != "error" for c in turn.calls):
         return None
+    if _searching(turn):
+        return None
     return [(c.name, repr(c.args), c.result.output if c.result else "") for c in turn.calls]
+
+
+def _searching(turn: TurnRecord) -> bool:
+    """Whether the turn's repair ruled out candidates in trial runs: the next turn's
+    repair leaves those aside and tries the ones after them (`repair.propose`'s
+    `known`), so the turn, however alike its calls, is not a loop. Once no candidate
+    is left, or none can be tried, a repair rules out nothing and the loop shows."""
+    meta = turn.output.meta.get("repair")
+    return isinstance(meta, dict) and int(meta.get("ruled_out") or 0) > 0
 
 
 def _same(a: list[tuple[str, str, str]] | None, b: list[tuple[str, str, str]] | None) -> bool:
@@ -813,8 +827,12 @@ class Session:
             skipped += failed
             return failed
 
+        ruled_out: set[bytes] = set()  # this turn's candidates that failed a trial
+
         def failed(path: str, after: str) -> None:
-            self._failed_edits.add(_digest(state, path, after))
+            key = _digest(state, path, after)
+            self._failed_edits.add(key)
+            ruled_out.add(key)
 
         try:
             proposals = await repair.propose(
@@ -842,6 +860,8 @@ class Session:
             **({"forked": forked} if forked else {}),
             **({"turned_down": turned_down} if turned_down else {}),
             "runs": runs,
+            "ruled_out": len(ruled_out),
+            "untried": max(0, len(proposals) - len(ruled_out)),
             "propose_s": round(proposed_s, 2),
             "seconds": round(self.clock.now() - t0, 2),
         }

@@ -254,3 +254,61 @@ async def test_a_pytest_run_of_no_test_does_not_replace_the_failing_check(repo, 
     assert result.turns[0].calls[1].result.meta["exit_code"] == 4
     assert result.turns[1].output.meta["repair"]["command"] == ONE
     assert (repo / "m.py").read_text() == PICK.replace(*RIGHT)
+
+
+def one_at_a_time(monkeypatch, candidates: list[tuple[str, str]]) -> None:
+    """`repair.propose` as a model with `candidates` in that order: the first one not
+    yet known to have failed, or none."""
+
+    async def proposed(*args, **kw):
+        known = kw.get("known") or (lambda path, after: False)
+        for old, new in candidates:
+            if not known("m.py", PICK.replace(old, new)):
+                return [repair.Proposal("m.py", PICK.replace(old, new), old, new, 0.0)]
+        return []
+
+    monkeypatch.setattr(repair, "propose", proposed)
+
+
+async def refused_every_turn(repo, turns: int) -> tuple[Session, object]:
+    """A session whose model reproduces the failure, then sends the same wrong change
+    and rerun every turn (each change refused, each rerun failing alike) until the
+    test passes, then answers."""
+    (repo / "m.py").write_text(PICK)
+    (repo / "test_m.py").write_text(BOTH)
+    change = "A fix.\n" + edit("    return 0", "    return 1") + "\n" + run(ONE)
+
+    def reply(messages):
+        return "Fixed." if "exit code 0" in messages[-1].content else change
+
+    model = Repairing([run(ONE)] + [reply] * turns, KNOWN)
+    cfg = SessionConfig(approve="all", repair=True, max_turns=turns + 1)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg)
+    return session, await session.run("fix")
+
+
+WRONG = [("        return lo", f"        return lo + {n}") for n in range(1, 4)]
+
+
+async def test_a_repair_that_rules_out_candidates_keeps_a_repeating_model_going(repo, monkeypatch):
+    """The same refused change and failing rerun, turn after turn, would end the session
+    as a loop after three turns; while each turn's repair rules out a candidate, the
+    session goes on, and the repair reaches the fix."""
+    one_at_a_time(monkeypatch, [*WRONG, RIGHT])
+    _, result = await refused_every_turn(repo, 6)
+    assert result.status == "completed" and result.answer == "Fixed."
+    assert (repo / "m.py").read_text() == PICK.replace(*RIGHT)
+    metas = [t.output.meta["repair"] for t in result.turns[1:-1]]
+    # three turns alike, each with a change refused: a loop, but for the repair
+    assert [m["ruled_out"] for m in metas[:3]] == [1] * 3
+    assert all(m["held_back"] == 1 for m in metas[:3]) and "gain" in metas[3]
+
+
+async def test_a_repair_that_rules_out_nothing_lets_the_loop_end_the_session(repo, monkeypatch):
+    """Once the repair has no candidate left to rule out, the turns repeat, and three
+    of them end the session as a loop."""
+    one_at_a_time(monkeypatch, WRONG[:1])
+    _, result = await refused_every_turn(repo, 8)
+    assert result.status == "repetition" and "3 turns in a row" in result.error
+    assert (repo / "m.py").read_text() == PICK
+    assert [t.output.meta["repair"].get("ruled_out", 0) for t in result.turns[1:]] == [1, 0, 0, 0]
