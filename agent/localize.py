@@ -8,6 +8,11 @@ command once more, read-only, with a profiler that Python loads at start-up
 workspace each test function called, in the order of their last call. The functions
 the failing test called last are where its wrong value most likely came from.
 
+Code that was installed into the workspace (an in-tree virtualenv's site-packages, a
+`pip install --target` folder: `installed_folders`) is a dependency's, not the
+project's: its calls are not recorded, so a test that runs through a library still
+names the project's functions it called.
+
 Only calls made while a test function runs count, and of those not the `__repr__`
 (`__str__`, `__format__`) a test runner calls to show a value in an assertion's
 message: the test's own code calls them only when it means to test them. A
@@ -18,6 +23,7 @@ record: then nothing is found, and the repair looks where it did before.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -33,6 +39,11 @@ from opencomposer.agent import repair
 # the bug in 22; it was among the 6 called last in 16, among the 10 called last in 22
 # (called first: 16 and 18).
 MOST = 10
+# How deep `installed_folders` looks for install folders (an in-tree
+# `.venv/lib/python3.X/site-packages` is 4 down), and how many folders it reads at most.
+INSTALLED_DEPTH = 4
+INSTALLED_SCAN = 20_000
+_NOT_SCANNED = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__"})
 
 _TRACER = """\
 # Written by opencomposer for one run: which functions of a workspace each test called.
@@ -40,6 +51,8 @@ import atexit, json, os, re, sys, threading
 
 _ROOT = os.environ.get("OPENCOMPOSER_TRACE_ROOT", "")
 _OUT = os.environ.get("OPENCOMPOSER_TRACE_OUT", "")
+# the workspace's install folders (site-packages in it, a --target folder): not its code
+_SKIP = tuple(_ROOT + p for p in json.loads(os.environ.get("OPENCOMPOSER_TRACE_SKIP") or "[]"))
 _TEST = re.compile(__TEST_FILE__)
 _tests = {}  # (file, first line, name) of a test function -> {(file, line, name): last call}
 _all = {}  # every call of the workspace's code, in or out of a test
@@ -60,7 +73,7 @@ def _profile(frame, event, arg):
     if event == "call":
         code = frame.f_code
         path = code.co_filename
-        if not path.startswith(_ROOT) or code.co_name.startswith("<"):
+        if not path.startswith(_ROOT) or path.startswith(_SKIP) or code.co_name.startswith("<"):
             return
         if _is_test(path):
             if code.co_name.startswith("test"):
@@ -110,14 +123,52 @@ def tracer_source() -> str:
     return _TRACER.replace("__TEST_FILE__", repr(repair._TEST_FILE.pattern))
 
 
-def trace_prefix(folder: str, root: str) -> str:
+def trace_prefix(folder: str, root: str, skip: tuple[str, ...] = ()) -> str:
     """Shell lines that make the Python programs of a command put their calls in
-    `folder`, which must hold `tracer_source()` as `sitecustomize.py`."""
+    `folder`, which must hold `tracer_source()` as `sitecustomize.py`; calls of code
+    under `skip` (folders relative to `root`, `installed_folders`) are not recorded."""
     root = root.rstrip("/") + "/"
     return (
-        f"export OPENCOMPOSER_TRACE_ROOT={_quote(root)} OPENCOMPOSER_TRACE_OUT={_quote(folder)}\n"
+        f"export OPENCOMPOSER_TRACE_ROOT={_quote(root)} OPENCOMPOSER_TRACE_OUT={_quote(folder)}"
+        f" OPENCOMPOSER_TRACE_SKIP={_quote(json.dumps(list(skip)))}\n"
         f'export PYTHONPATH={_quote(folder)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
     )
+
+
+def installed_folders(root: str | Path) -> tuple[str, ...]:
+    """The folders in the workspace `root` that packages were installed into, relative,
+    each ending in "/": a folder named site-packages or dist-packages (an in-tree
+    virtualenv's), or one that holds a `NAME-VERSION.dist-info` folder, the record pip
+    leaves of each package it installs (`pip install --target`). What is in them is a
+    dependency's code, never the project's. Looks `INSTALLED_DEPTH` folders down, past
+    version control and `node_modules`, at `INSTALLED_SCAN` folders at most."""
+    base = str(root).rstrip("/") + "/"
+    found: list[str] = []
+    todo: list[tuple[str, int]] = [(base, 0)]
+    scanned = 0
+    while todo and scanned < INSTALLED_SCAN:
+        folder, level = todo.pop()
+        scanned += 1
+        try:
+            with os.scandir(folder) as it:
+                subs = [e for e in it if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        name = os.path.basename(folder.rstrip("/"))
+        if level and (
+            name in ("site-packages", "dist-packages")
+            or any(e.name.endswith(".dist-info") for e in subs)
+        ):
+            found.append(folder[len(base) :].rstrip("/") + "/")
+            continue
+        if level < INSTALLED_DEPTH:
+            todo += [(e.path, level + 1) for e in subs if e.name not in _NOT_SCANNED]
+    return tuple(sorted(found))
+
+
+def is_installed(path: str, folders: tuple[str, ...]) -> bool:
+    """Whether the workspace path `path` lies in one of `installed_folders`."""
+    return path.startswith(folders)
 
 
 def _quote(s: str) -> str:
@@ -140,9 +191,12 @@ def read_trace(folder: Path) -> Trace:
     return merged
 
 
-def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
+def called_lines(
+    trace: Trace, output: str, root: str, skip: tuple[str, ...] = ()
+) -> list[tuple[str, int]]:
     """(path relative to `root`, 0-based line of the def) of the workspace functions
-    the failing test called, the last called first, `MOST` at most.
+    the failing test called, the last called first, `MOST` at most; none under `skip`
+    (`installed_folders`).
 
     The failing test is the test function around the innermost test-file frame of the
     run's output (`path:line`), else the test a `path::name` in it names; failing both,
@@ -167,7 +221,7 @@ def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for path, line, _name, _seq in sorted(calls, key=lambda c: -int(c[3])):
         where = (str(path)[len(prefix) :], int(line) - 1)
-        if str(path).startswith(prefix) and where not in out:
+        if str(path).startswith(prefix) and not is_installed(where[0], skip) and where not in out:
             out.append(where)
         if len(out) >= MOST:
             break
@@ -179,15 +233,17 @@ async def failing_calls(
     root: str,
     output: str,
     run: Callable[[str, Path], Awaitable[object]],
+    skip: tuple[str, ...] = (),
 ) -> list[tuple[str, int]]:
     """Run `command` once more with the tracer (`run(traced command, scratch folder)`,
     which must let the command write that folder and nothing else) and return
-    `called_lines` for its record; [] when the run left none."""
+    `called_lines` for its record, none under `skip` (`installed_folders`); [] when
+    the run left none."""
     folder = Path(tempfile.mkdtemp(prefix="opencomposer-trace-"))
     try:
         (folder / "sitecustomize.py").write_text(tracer_source())
-        await run(trace_prefix(str(folder), root) + command, folder)
-        return called_lines(read_trace(folder), output, root)
+        await run(trace_prefix(str(folder), root, skip) + command, folder)
+        return called_lines(read_trace(folder), output, root, skip)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

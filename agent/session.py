@@ -346,12 +346,15 @@ def _repair_lines(
     turns: list[TurnRecord],
     held: list[ParsedCall],
     called: Sequence[tuple[str, int]] = (),
+    installed: tuple[str, ...] = (),
 ) -> list[tuple[str, int]]:
     """(path, 0-based line) where a repair looks for its edits, the likeliest first:
     what the turn's change targets, the frames of the failing run's traceback
     (innermost first), the functions the failing test called (`called`, the last
     called first: `agent/localize.py`), then the lines the session's greps found and
-    its reads showed, the latest first."""
+    its reads showed, the latest first. None in the folders packages were installed
+    into (`installed`, `localize.installed_folders`): a dependency's code is not the
+    project's to fix, though a traceback runs through it."""
     lines: list[tuple[str, int]] = []
 
     def rel(path: str) -> str | None:
@@ -386,7 +389,7 @@ def _repair_lines(
             end = int(c.args.get("end_line") or start + out.count("\n"))
             if path:
                 lines += [(path, n) for n in range(max(0, start - 1), max(start, end))]
-    return lines
+    return [(p, n) for p, n in lines if not localize.is_installed(p, installed)]
 
 
 def _first_error(calls: list[tuple[str, str, str]]) -> str:
@@ -798,8 +801,9 @@ class Session:
                 return self._held_back(output, calls, held, command)
             return None
 
-        called = await self._failing_calls(command)
-        lines = _repair_lines(self.workspace, self.turns, held, called)
+        installed = localize.installed_folders(self.workspace.root)
+        called = await self._failing_calls(command, installed)
+        lines = _repair_lines(self.workspace, self.turns, held, called, installed)
         texts: dict[str, str] = {}
         for path, _ in lines:
             if path not in texts and self.workspace.exists(path):
@@ -1122,10 +1126,12 @@ class Session:
             verdicts = None
         return verdicts, self.clock.now() - t0
 
-    async def _failing_calls(self, command: str) -> list[tuple[str, int]]:
-        """The workspace's functions the failing test called, the last called first:
-        the failing command run once more, read-only, with a profiler
-        (`localize.failing_calls`); [] when that cannot be done."""
+    async def _failing_calls(
+        self, command: str, installed: tuple[str, ...] = ()
+    ) -> list[tuple[str, int]]:
+        """The workspace's functions the failing test called, the last called first,
+        none in `installed` folders: the failing command run once more, read-only, with
+        a profiler (`localize.failing_calls`); [] when that cannot be done."""
         limit = self._rerun_limit(command, 2.0)  # a profiled run is slower than a plain one
         if limit is None:
             return []
@@ -1143,7 +1149,7 @@ class Session:
 
         try:
             return await localize.failing_calls(
-                command, str(root), _failing_output(self.turns, command), run
+                command, str(root), _failing_output(self.turns, command), run, installed
             )
         except (ToolError, OSError) as e:
             log.info("session %s: no profiled run of %r: %s", self.id, command, e)

@@ -206,3 +206,93 @@ def test_a_pytest_run_of_no_test_is_told_apart():
         ("cd src && pytest", 5),  # shell syntax: not known to be a plain pytest run
     ):
         assert not localize.ran_no_test(command, code), command
+
+
+def test_the_folders_packages_were_installed_into_are_found(tmp_path):
+    """An in-tree virtualenv's site-packages and a `pip install --target` folder (it
+    holds `*.dist-info`) are install folders; the project's own `src/` with its
+    `*.egg-info` is not, nor is anything under node_modules or .git."""
+    for folder in (
+        ".deps/lib",
+        ".deps/lib-1.0.dist-info",
+        ".venv/lib/python3.11/site-packages/other",
+        "src/pkg",
+        "src/pkg.egg-info",
+        "node_modules/x/y-1.0.dist-info",
+        ".git/objects/z-1.0.dist-info",
+        "a/b/c/d/e/f-1.0.dist-info",  # deeper than INSTALLED_DEPTH looks
+    ):
+        (tmp_path / folder).mkdir(parents=True)
+    found = localize.installed_folders(tmp_path)
+    assert found == (".deps/", ".venv/lib/python3.11/site-packages/")
+    assert localize.is_installed(".deps/lib/__init__.py", found)
+    assert not localize.is_installed("src/pkg/__init__.py", found)
+    assert localize.installed_folders(tmp_path / "missing") == ()
+
+
+# the project's code calls a library installed in the workspace (`.deps`), which calls
+# back into it and raises: the traceback and the profiled run both go through it
+LIB = (
+    "def call(fn, *args):\n"
+    "    out = fn(*args)\n"
+    "    check(out)\n"
+    "    return out\n"
+    "\n"
+    "\n"
+    "def check(out):\n"
+    "    if out == 0:\n"
+    "        raise ValueError('zero')\n"
+)
+USES_LIB = (
+    "import os, sys\n"
+    "sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '.deps'))\n"
+    "import lib\n"
+    "\n"
+    "\n" + PICK + "\n\n"
+    "def run_pick(lo, hi):\n"
+    "    return lib.call(pick, lo, hi)\n"
+)
+LIB_TEST = "from m import run_pick\n\n\ndef test_pick():\n    assert run_pick(3, 3) == 3\n"
+
+
+def with_library(root: Path) -> Path:
+    (root / "m.py").write_text(USES_LIB)
+    (root / "test_m.py").write_text(LIB_TEST)
+    (root / ".deps" / "lib").mkdir(parents=True)
+    (root / ".deps" / "lib-1.0.dist-info").mkdir()
+    (root / ".deps" / "lib" / "__init__.py").write_text(LIB)
+    return root
+
+
+async def test_a_profiled_run_leaves_out_the_code_of_installed_packages(tmp_path):
+    (tmp_path / "repo").mkdir()
+    root = with_library(tmp_path / "repo")
+    command = "python -m pytest -q -p no:cacheprovider test_m.py"
+    config = SandboxConfig(mode="read-only")
+    first = await run_sandboxed(command, root=root, config=config, files={})
+    assert ".deps/lib/__init__.py" in first.output and "ValueError: zero" in first.output
+
+    async def go(traced: str, folder: Path) -> None:
+        await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
+
+    everything = await localize.failing_calls(command, str(root), first.output, go)
+    assert {p for p, _ in everything} == {"m.py", ".deps/lib/__init__.py"}
+    skip = localize.installed_folders(root)
+    got = await localize.failing_calls(command, str(root), first.output, go, skip)
+    assert got == [("m.py", 5), ("m.py", 11)]  # pick, called back last; run_pick
+
+
+async def test_the_repair_does_not_edit_an_installed_package(repo, store):
+    """The failing test's traceback ends in a library installed in the workspace: the
+    repair looks at the project's functions the test reached, not the library's."""
+    with_library(repo)
+    check = "python -m pytest -q -p no:cacheprovider test_m.py"
+    read = '<read_file path="m.py"/>'
+    model = Repairing(["Reproducing.\n" + run(check), "Reading.\n" + read, "Done."], KNOWN)
+    cfg = SessionConfig(approve="all", repair=True)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
+    result = await session.run("fix pick")
+    assert "ValueError: zero" in result.turns[0].calls[0].result.output
+    meta = result.turns[1].output.meta["repair"]
+    assert meta["spans"] and all(path == "m.py" for path, _, _ in meta["spans"]), meta["spans"]
+    assert (repo / ".deps" / "lib" / "__init__.py").read_text() == LIB
