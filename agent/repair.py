@@ -48,6 +48,7 @@ import math
 import re
 import tokenize
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -119,6 +120,67 @@ class TokenLM(Protocol):
         ...
 
     async def logprob(self, context: str, text: str) -> float: ...
+
+
+class Remembered:
+    """`lm` as a `TokenLM` that remembers its answers. A session's repairs of the same
+    code, turn after turn, make the same reads: the same sites' top tokens and the same
+    best edits continued (a repair leaves the candidates tried before out only after
+    those reads, `propose(known=…)`). Asked again, it answers from memory, so a later
+    repair of unchanged code costs the model nothing and its turn's time goes to trial
+    runs. `limit` answers of each kind are kept, the least recently used dropped
+    first. `asked` and `reused` count the reads asked of it (a continuation asked twice
+    in one call counts once) and those answered from memory."""
+
+    def __init__(self, lm: TokenLM, limit: int = 4096) -> None:
+        self.lm = lm
+        self.limit = limit
+        self._tops: OrderedDict[tuple[Any, ...], list[tuple[float, list[tuple[int, float]]]]]
+        self._tops = OrderedDict()
+        self._grown: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
+        self.asked = 0
+        self.reused = 0
+
+    def _keep(
+        self, memory: OrderedDict[tuple[Any, ...], Any], key: tuple[Any, ...], got: Any
+    ) -> None:
+        memory[key] = got
+        memory.move_to_end(key)
+        while len(memory) > self.limit:
+            memory.popitem(last=False)
+
+    async def top_tokens(
+        self, ids: list[int], first: int, k: int
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        key = (tuple(ids), first, k)
+        self.asked += 1
+        got = self._tops.get(key)
+        if got is None:
+            got = await self.lm.top_tokens(ids, first, k)
+        else:
+            self.reused += 1
+        self._keep(self._tops, key, got)
+        return got
+
+    async def greedy(
+        self, prefixes: list[list[int]], max_tokens: int, until: list[int]
+    ) -> list[list[int]]:
+        keys = [(tuple(p), max_tokens, u) for p, u in zip(prefixes, until, strict=True)]
+        found = {key: self._grown[key] for key in keys if key in self._grown}
+        new = [key for key in dict.fromkeys(keys) if key not in found]
+        if new:
+            conts = await self.lm.greedy(
+                [list(key[0]) for key in new], max_tokens, [key[2] for key in new]
+            )
+            found.update(zip(new, conts, strict=True))
+        self.asked += len(set(keys))
+        self.reused += len(set(keys)) - len(new)
+        for key in keys:
+            self._keep(self._grown, key, found[key])
+        return [list(found[key]) for key in keys]
+
+    async def logprob(self, context: str, text: str) -> float:
+        return await self.lm.logprob(context, text)
 
 
 @dataclass(frozen=True)

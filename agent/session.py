@@ -489,6 +489,8 @@ class Session:
         # (`_repair`): a later repair against that command, even of the same code in the
         # same focus, takes others in their place
         self._failed_edits: set[bytes] = set()
+        # the model's answers to the repairs' reads (`repair.Remembered`), made once
+        self._repair_lm: repair.Remembered | None = None
 
     # -- public -----------------------------------------------------------------
 
@@ -839,8 +841,12 @@ class Session:
             ruled_out.add(key)
 
         try:
+            if self._repair_lm is None:
+                self._repair_lm = repair.Remembered(self.model)  # type: ignore[arg-type]
+            lm = self._repair_lm
+            asked, reused = lm.asked, lm.reused
             proposals = await repair.propose(
-                self.model,  # type: ignore[arg-type]
+                lm,
                 self.model.tokenizer,  # type: ignore[attr-defined]
                 texts,
                 spans,
@@ -867,6 +873,8 @@ class Session:
             "ruled_out": len(ruled_out),
             "untried": max(0, len(proposals) - len(ruled_out)),
             "propose_s": round(proposed_s, 2),
+            # the model's reads proposing made, and those answered from memory
+            "reads": [lm.asked - asked, lm.reused - reused],
             "seconds": round(self.clock.now() - t0, 2),
         }
         if found is None:

@@ -18,6 +18,12 @@ and at all, and the median time:
 `--model LABEL=FOLDER` more than once compares models on the same tasks in one run
 (`training/repairrl.py`'s checkpoints against the shipped policy, say), each task's rank
 side by side, then each model's counts.
+
+`--again` times what a session's next repair of the same code costs, the candidates
+tried before left out (`propose(known=…)`): proposed by the model anew, and through
+the session's memory of the model's reads (`repair.Remembered`, which made the first
+proposal), each task's two times and the ratio, then the medians; the two must
+propose the same candidates, and the script says where they do not.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -67,6 +74,11 @@ async def main() -> int:
         help="tokens of one file's spans read one after another (repair.CHAIN_TOKENS; 0: each"
         " span after its own code above)",
     )
+    ap.add_argument(
+        "--again",
+        action="store_true",
+        help="time a second repair of the same code, anew and from the reads' memory",
+    )
     a = ap.parse_args()
 
     from opencomposer.agent import repair
@@ -102,10 +114,11 @@ async def main() -> int:
     sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
     ranks: dict[str, list[int | None]] = {}
     seconds: dict[str, list[float]] = {}
+    again: dict[str, list[tuple[float, float]]] = {}
     for label, folder in models:
         model = LlamaCppModel(folder)
         await model.start()
-        ranks[label], seconds[label] = [], []
+        ranks[label], seconds[label], again[label] = [], [], []
         try:
             for task, state, spans in states:
                 t0 = time.perf_counter()
@@ -120,6 +133,8 @@ async def main() -> int:
                     f"{label}: {task.id} ({state['kind']}): {where} of {len(got)},"
                     f" {lines} lines, {seconds[label][-1]:.1f} s"
                 )
+                if a.again:
+                    again[label].append(await propose_again(model, texts, spans, got, sizes))
         finally:
             await model.close()
     n = len(states)
@@ -134,6 +149,12 @@ async def main() -> int:
             f" {within[4]}; proposed at all in {found}/{n}. Proposing: median"
             f" {statistics.median(seconds[label]):.1f} s, max {max(seconds[label]):.1f} s"
         )
+        if again[label]:
+            anew, memo = (statistics.median(t) for t in zip(*again[label], strict=True))
+            print(
+                f"{label}: the next repair of the same code: median {anew:.1f} s proposed anew,"
+                f" {memo:.2f} s from memory ({anew / memo:.0f}x)"
+            )
     if len(models) > 1:
         base = models[0][0]
         for label, _ in models[1:]:
@@ -146,6 +167,36 @@ async def main() -> int:
             down = sum(b is not None and (o is None or b < o) for b, o in pairs)
             print(f"{label} against {base}: the fix ranks higher in {up} tasks, lower in {down}")
     return 0
+
+
+async def propose_again(
+    model: Any, texts: dict[str, str], spans: list[Any], got: list[Any], sizes: dict[str, int]
+) -> tuple[float, float]:
+    """(seconds, seconds) of the next repair of the same code, the candidates `got`
+    left out: proposed by `model` anew, then through `repair.Remembered` after it made
+    the first proposal, as a session's later turn makes it."""
+    from opencomposer.agent import repair
+
+    tried = {p.after for p in got}
+
+    def known(path: str, after: str) -> bool:
+        return after in tried
+
+    t0 = time.perf_counter()
+    anew = await repair.propose(model, model.tokenizer, texts, spans, known=known, **sizes)
+    t1 = time.perf_counter()
+    memo = repair.Remembered(model)
+    await repair.propose(memo, model.tokenizer, texts, spans, **sizes)
+    t2 = time.perf_counter()
+    remembered = await repair.propose(memo, model.tokenizer, texts, spans, known=known, **sizes)
+    t3 = time.perf_counter()
+    same = [p.after for p in anew] == [p.after for p in remembered]
+    print(
+        f"  again: {t1 - t0:.1f} s anew, {t3 - t2:.2f} s from memory ({(t1 - t0) / (t3 - t2):.0f}x);"
+        f" first through memory {t2 - t1:.1f} s; "
+        + ("the same candidates" if same else "NOT the same candidates")
+    )
+    return t1 - t0, t3 - t2
 
 
 if __name__ == "__main__":

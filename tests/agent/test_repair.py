@@ -205,6 +205,55 @@ async def test_edits_known_to_have_been_tried_give_way_to_the_next():
     assert tried <= set(asked)
 
 
+class Counted(NGram):
+    """The n-gram model, counting the reads asked of it (positions and continuations)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.reads = 0
+
+    async def top_tokens(self, ids, first, k):
+        self.reads += len(ids) - first
+        return await super().top_tokens(ids, first, k)
+
+    async def greedy(self, prefixes, max_tokens, until):
+        self.reads += len(prefixes)
+        return await super().greedy(prefixes, max_tokens, until)
+
+
+async def test_a_remembered_model_answers_a_repeated_repair_from_memory():
+    """A later repair of the same code makes the same reads: answered from memory, it
+    asks the model nothing, and proposes what the model itself would have."""
+    text = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n"
+    span = [repair.Span("m.py", 0, 4)]
+    lm = Counted(KNOWN)
+    memo = repair.Remembered(lm)
+    first = await repair.propose(memo, lm.tok, {"m.py": text}, span, tail=4)
+    read, asked = lm.reads, memo.asked
+    assert read > 0 and memo.reused == 0
+    tried = {p.after for p in first}
+    again = await repair.propose(
+        memo, lm.tok, {"m.py": text}, span, tail=4, known=lambda path, after: after in tried
+    )
+    assert lm.reads == read  # every read, from memory
+    assert memo.asked - asked == memo.reused == asked
+    plain = await repair.propose(
+        NGram(KNOWN), lm.tok, {"m.py": text}, span, tail=4, known=lambda p, a: a in tried
+    )
+    assert [p.after for p in again] == [p.after for p in plain] and not tried & {
+        p.after for p in again
+    }
+    # other code is read anew; a small memory forgets the least recently used
+    other = text.replace("return hi", "return 0")
+    await repair.propose(memo, lm.tok, {"m.py": other}, span, tail=4)
+    assert lm.reads > read
+    small = repair.Remembered(Counted(KNOWN), limit=1)
+    await small.top_tokens([1, 2, 3], 1, 2)
+    await small.top_tokens([1, 2, 4], 1, 2)
+    await small.top_tokens([1, 2, 3], 1, 2)
+    assert small.reused == 0 and small.lm.reads == 6
+
+
 async def test_the_model_may_write_the_rest_of_a_line_anew():
     # `ratio(b, a)` for `ratio(a, b)`: no one-token edit undoes a swap, but after `a` in
     # place of `b` the model writes `, b)` to the end of the line
@@ -446,6 +495,9 @@ async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, stor
     # the code as it is, then the six proposed: all failed
     assert "gain" not in first and (first["proposals"], first["runs"]) == (6, 7)
     assert second["known_failed"] == 6 and "gain" in second
+    # the same code, read again: the model's answers come from the session's memory
+    assert first["reads"][0] > 0 and first["reads"][1] == 0
+    assert second["reads"][0] == second["reads"][1] == first["reads"][0]
 
 
 async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():
