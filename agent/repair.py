@@ -129,15 +129,15 @@ class Remembered:
     those reads, `propose(known=…)`). Asked again, it answers from memory, so a later
     repair of unchanged code costs the model nothing and its turn's time goes to trial
     runs. `limit` answers of each kind are kept, the least recently used dropped
-    first. `asked` and `reused` count the reads asked of it (a continuation asked twice
-    in one call counts once) and those answered from memory."""
+    first. `asked` and `reused` count the reads asked of it (a site's top tokens, a
+    batch of continuations) and those answered from memory."""
 
-    def __init__(self, lm: TokenLM, limit: int = 4096) -> None:
+    def __init__(self, lm: TokenLM, limit: int = 32) -> None:
         self.lm = lm
         self.limit = limit
         self._tops: OrderedDict[tuple[Any, ...], list[tuple[float, list[tuple[int, float]]]]]
         self._tops = OrderedDict()
-        self._grown: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
+        self._grown: OrderedDict[tuple[Any, ...], list[list[int]]] = OrderedDict()
         self.asked = 0
         self.reused = 0
 
@@ -165,19 +165,17 @@ class Remembered:
     async def greedy(
         self, prefixes: list[list[int]], max_tokens: int, until: list[int]
     ) -> list[list[int]]:
-        keys = [(tuple(p), max_tokens, u) for p, u in zip(prefixes, until, strict=True)]
-        found = {key: self._grown[key] for key in keys if key in self._grown}
-        new = [key for key in dict.fromkeys(keys) if key not in found]
-        if new:
-            conts = await self.lm.greedy(
-                [list(key[0]) for key in new], max_tokens, [key[2] for key in new]
-            )
-            found.update(zip(new, conts, strict=True))
-        self.asked += len(set(keys))
-        self.reused += len(set(keys)) - len(new)
-        for key in keys:
-            self._keep(self._grown, key, found[key])
-        return [list(found[key]) for key in keys]
+        # the whole batch is one answer: a backend's continuation of one prefix can
+        # differ in its last digits with the batch beside it (llama.cpp shares cells)
+        key = (tuple(map(tuple, prefixes)), max_tokens, tuple(until))
+        self.asked += 1
+        got = self._grown.get(key)
+        if got is None:
+            got = await self.lm.greedy(prefixes, max_tokens, until)
+        else:
+            self.reused += 1
+        self._keep(self._grown, key, got)
+        return [list(c) for c in got]
 
     async def logprob(self, context: str, text: str) -> float:
         return await self.lm.logprob(context, text)
