@@ -49,7 +49,7 @@ import re
 import tokenize
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -149,18 +149,27 @@ class Remembered:
         while len(memory) > self.limit:
             memory.popitem(last=False)
 
+    async def _answer(
+        self,
+        memory: OrderedDict[tuple[Any, ...], Any],
+        key: tuple[Any, ...],
+        ask: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        self.asked += 1
+        got = memory.get(key)
+        if got is None:
+            got = await ask()
+        else:
+            self.reused += 1
+        self._keep(memory, key, got)
+        return got
+
     async def top_tokens(
         self, ids: list[int], first: int, k: int
     ) -> list[tuple[float, list[tuple[int, float]]]]:
         key = (tuple(ids), first, k)
-        self.asked += 1
-        got = self._tops.get(key)
-        if got is None:
-            got = await self.lm.top_tokens(ids, first, k)
-        else:
-            self.reused += 1
-        self._keep(self._tops, key, got)
-        return got
+        got = await self._answer(self._tops, key, lambda: self.lm.top_tokens(ids, first, k))
+        return list(got)
 
     async def greedy(
         self, prefixes: list[list[int]], max_tokens: int, until: list[int]
@@ -168,13 +177,9 @@ class Remembered:
         # the whole batch is one answer: a backend's continuation of one prefix can
         # differ in its last digits with the batch beside it (llama.cpp shares cells)
         key = (tuple(map(tuple, prefixes)), max_tokens, tuple(until))
-        self.asked += 1
-        got = self._grown.get(key)
-        if got is None:
-            got = await self.lm.greedy(prefixes, max_tokens, until)
-        else:
-            self.reused += 1
-        self._keep(self._grown, key, got)
+        got = await self._answer(
+            self._grown, key, lambda: self.lm.greedy(prefixes, max_tokens, until)
+        )
         return [list(c) for c in got]
 
     async def logprob(self, context: str, text: str) -> float:
