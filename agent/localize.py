@@ -191,12 +191,9 @@ def read_trace(folder: Path) -> Trace:
     return merged
 
 
-def called_lines(
-    trace: Trace, output: str, root: str, skip: tuple[str, ...] = ()
-) -> list[tuple[str, int]]:
+def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
     """(path relative to `root`, 0-based line of the def) of the workspace functions
-    the failing test called, the last called first, `MOST` at most; none under `skip`
-    (`installed_folders`).
+    the failing test called, the last called first, `MOST` at most.
 
     The failing test is the test function around the innermost test-file frame of the
     run's output (`path:line`), else the test a `path::name` in it names; failing both,
@@ -221,7 +218,7 @@ def called_lines(
     out: list[tuple[str, int]] = []
     for path, line, _name, _seq in sorted(calls, key=lambda c: -int(c[3])):
         where = (str(path)[len(prefix) :], int(line) - 1)
-        if str(path).startswith(prefix) and not is_installed(where[0], skip) and where not in out:
+        if str(path).startswith(prefix) and where not in out:
             out.append(where)
         if len(out) >= MOST:
             break
@@ -236,14 +233,14 @@ async def failing_calls(
     skip: tuple[str, ...] = (),
 ) -> list[tuple[str, int]]:
     """Run `command` once more with the tracer (`run(traced command, scratch folder)`,
-    which must let the command write that folder and nothing else) and return
-    `called_lines` for its record, none under `skip` (`installed_folders`); [] when
-    the run left none."""
+    which must let the command write that folder and nothing else), recording no call
+    of code under `skip` (`installed_folders`), and return `called_lines` for its
+    record; [] when the run left none."""
     folder = Path(tempfile.mkdtemp(prefix="opencomposer-trace-"))
     try:
         (folder / "sitecustomize.py").write_text(tracer_source())
         await run(trace_prefix(str(folder), root, skip) + command, folder)
-        return called_lines(read_trace(folder), output, root, skip)
+        return called_lines(read_trace(folder), output, root)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
