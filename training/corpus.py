@@ -1420,6 +1420,12 @@ def _worker_ends(signum: int, frame: Any) -> None:
     # pool's worker loop then catches it and waits for more work, so a timer ends it,
     # and `build_project` refuses what the worker picks up meanwhile (it would leave
     # that project's scratch folder behind).
+    # The build's death can signal more than once: the worker passes to each of its
+    # threads in turn as they exit, and each exit sends the signal again. Only the
+    # first unwinds; a second SystemExit would cut the first one's cleanup short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _ending.is_set():
+        return
     _ending.set()
     threading.Timer(5.0, os._exit, (1,)).start()
     raise SystemExit(1)

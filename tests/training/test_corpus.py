@@ -780,6 +780,45 @@ def test_build_workers_end_with_the_build(tmp_path: Path) -> None:
         parent.kill()
 
 
+SIGNALLED_TWICE = """
+import os, shutil, signal, sys, tempfile, time
+from opencomposer.training import corpus
+
+signal.signal(signal.SIGTERM, corpus._worker_ends)
+rmtree = shutil.rmtree
+
+def signalled_again(*args, **kwargs):  # the build's next thread exits mid-cleanup
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    rmtree(*args, **kwargs)
+
+shutil.rmtree = signalled_again
+try:
+    with tempfile.TemporaryDirectory(dir=sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+except SystemExit:
+    pass
+print(len(os.listdir(sys.argv[1])), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_worker_signalled_again_while_unwinding_still_cleans_up(tmp_path: Path) -> None:
+    """A killed build signals its worker once for each of its threads; the signals after
+    the first must not cut short the cleanup the first one started."""
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(SIGNALLED_TWICE)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run = subprocess.run(
+        [sys.executable, str(script), str(scratch)], capture_output=True, text=True, timeout=120
+    )
+    assert run.stdout.strip() == "0", run.stderr[-2000:]
+
+
 def test_a_worker_told_to_end_takes_no_more_projects(tmp_path: Path) -> None:
     """After SIGTERM a worker lives 5 s more; a project it picks up meanwhile is refused
     before it makes a folder (os._exit would leave that project's scratch behind)."""
