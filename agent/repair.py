@@ -574,10 +574,22 @@ class _Site:
 
 def _region(body: str) -> str:
     """A span's code as a module of its own: one that starts indented (a method) is put
-    under `if 1:`. Checking a candidate there costs a function's parse, not its file's;
-    nothing outside the span changes."""
-    first = next((line for line in body.splitlines() if line.strip()), "")
-    return "if 1:\n" + body if first[:1] in (" ", "\t") else body
+    under `if 1:`, one for each level its code steps back out to (the last method of a
+    nested class, then the next method of the class around it, read as one span).
+    Checking a candidate there costs a function's parse, not its file's; nothing outside
+    the span changes."""
+    levels: list[str] = []  # the indents of lines less indented than all before them
+    for line in body.splitlines():
+        if line.strip():
+            indent = line[: len(line) - len(line.lstrip())]
+            if not levels or len(indent) < len(levels[-1]):
+                levels.append(indent)
+    if not levels or not levels[0]:
+        return body
+    if levels[-1]:
+        levels.append("")
+    levels.reverse()  # outermost first: each `if 1:` holds the next level's lines
+    return "".join(f"{indent}if 1:\n" for indent in levels[:-1]) + body
 
 
 def _sites(tok: Tokens, texts: dict[str, str], spans: Sequence[Span]) -> list[_Site]:

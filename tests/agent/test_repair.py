@@ -518,3 +518,29 @@ async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():
     assert text.replace("lo < hi", "lo <= hi") in [p.after for p in got]
     for p in got:
         compile(p.after, "m.py", "exec")
+
+
+def test_a_span_that_steps_out_of_a_nested_class_is_checked_alone():
+    # the last method of a nested class, then the next method of the class around it,
+    # read as one span: it compiles alone under one `if 1:` for each level, so a
+    # candidate costs the span's parse, not the whole file's
+    lines = [
+        "class Outer:\n",
+        "    class Item:\n",
+        "        def __lt__(self, other):\n",
+        "            return self.at < other.at\n",
+        "\n",
+        "    def __contains__(self, key):\n",
+        "        return key in self.items\n",
+        "\n",
+        "x = 1\n",
+    ]
+    text = "".join(lines)
+    site = repair._site(NGram(KNOWN).tok, text, repair.Span("m.py", 2, 7))
+    assert site is not None and not site.whole and site.shape is not None
+    # what a candidate changes is still told from what it keeps
+    changed = site.body.replace("key in", "key not in")
+    assert repair._shape("m.py", site.checked(changed))[1] != site.shape[1]
+    assert repair._shape("m.py", site.checked(site.body + "    # a note\n")) == site.shape
+    # a region whose first lines are its outermost is left as it is
+    assert repair._region("def f():\n    return 1\n") == "def f():\n    return 1\n"
