@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 from opencomposer.agent import localize
-from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.agent.session import Session
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
 from opencomposer.tools.workspace import LocalWorkspace
 
-from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, run
+from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, repairing, run
 
 CODE = (
     "class Pair:\n"
@@ -130,7 +130,7 @@ async def test_the_repair_finds_a_function_only_the_failing_test_reached(repo, s
     check = "python -m pytest -q -p no:cacheprovider test_m.py"
     wrong = edit("    return 1", "    return 2", path="other.py")
     model = Repairing(["Reproducing.\n" + run(check), "A fix.\n" + wrong, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert "test_m.py:5: AssertionError" in result.turns[0].calls[0].result.output
@@ -186,7 +186,7 @@ async def test_an_edit_that_breaks_another_test_of_the_file_is_not_taken(repo):
     check = "python -m pytest -q -p no:cacheprovider test_m.py::test_pick"
     wrong = edit("        return lo", "        return hi")
     model = Repairing([run(check), "A fix.\n" + wrong, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
     assert result.turns[1].output.meta["repair"]["runs"] >= 3
@@ -289,7 +289,7 @@ async def test_the_repair_does_not_edit_an_installed_package(repo, store):
     check = "python -m pytest -q -p no:cacheprovider test_m.py"
     read = '<read_file path="m.py"/>'
     model = Repairing(["Reproducing.\n" + run(check), "Reading.\n" + read, "Done."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert "ValueError: zero" in result.turns[0].calls[0].result.output

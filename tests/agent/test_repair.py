@@ -406,6 +406,13 @@ PICK = "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return 0\n"
 CHECK = "python3 -c 'import m; assert m.pick(2, 2) == 2 and m.pick(3, 1) == 0'"
 
 
+def repairing(**config):
+    """A session that repairs, given the time its trial runs need on a loaded machine:
+    these tests are of what the repair finds, not of how fast it finds it (about 20
+    sandboxed runs take 40 s of the default 60 a turn on an idle 2-core machine)."""
+    return SessionConfig(approve="all", repair=True, verify_s=300.0, **config)
+
+
 def run(command):
     return f"<run_terminal><command>{command}</command></run_terminal>"
 
@@ -424,7 +431,7 @@ async def test_a_change_that_fails_the_check_is_replaced_by_an_edit_that_passes(
         ["Reproducing.\n" + run(CHECK), "The fix.\n" + wrong + "\n" + run(CHECK), "Fixed."],
         KNOWN,
     )
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert result.status == "completed"
@@ -443,7 +450,7 @@ async def test_a_change_that_fails_the_check_is_replaced_by_an_edit_that_passes(
 async def test_no_repair_when_the_change_passes_or_repair_is_off(repo):
     right = edit("    if lo < hi:", "    if not lo > hi:")
     for cfg, change, after in (
-        (SessionConfig(approve="all", repair=True), right, "    if not lo > hi:"),
+        (repairing(), right, "    if not lo > hi:"),
         (SessionConfig(approve="all"), edit("        return lo", "        return hi"), None),
         (
             SessionConfig(approve="all", repair=True, verify_s=0),
@@ -466,7 +473,7 @@ async def read_twice(repo, store):
     (repo / "m.py").write_text(PICK)
     read = '<read_file path="m.py"/>'
     model = Repairing([run(CHECK), "Reading.\n" + read, "Again.\n" + read, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")

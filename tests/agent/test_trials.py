@@ -5,12 +5,12 @@ repair uses it and still keeps only what a real trial run passes."""
 from pathlib import Path
 
 from opencomposer.agent import repair, trials
-from opencomposer.agent.session import Session, SessionConfig
+from opencomposer.agent.session import Session
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
 from opencomposer.tools.workspace import LocalWorkspace
 
-from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, run
+from tests.agent.test_repair import KNOWN, PICK, Repairing, edit, repairing, run
 
 TEST = "from m import pick\n\n\ndef test_pick():\n    assert pick(2, 2) == 2 and pick(3, 1) == 0\n"
 CHECK = "python -m pytest -q -p no:cacheprovider test_m.py"
@@ -101,7 +101,7 @@ async def test_a_forked_pass_is_kept_only_after_a_real_trial_run_passes(repo, st
         return [True] + [None] * (len(candidates) - 1)  # it stops at its first pass
 
     model = Repairing([run(CHECK), "A fix.\n" + wrong, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     monkeypatch.setattr(trials, "forked", all_pass)
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
@@ -118,7 +118,7 @@ async def test_a_repair_tries_only_what_passed_its_forked_run(repo, store):
     (repo / "test_m.py").write_text(TEST)
     wrong = edit("        return lo", "        return hi")
     model = Repairing([run(CHECK), "A fix.\n" + wrong, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg, traces=store)
     result = await session.run("fix pick")
     assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
@@ -154,7 +154,7 @@ async def both_caught(repo, monkeypatch, candidates: list[tuple[str, str]]):
     monkeypatch.setattr(repair, "propose", proposed)
     read = '<read_file path="m.py"/>'
     model = Repairing([run(ONE), "Reading.\n" + read, "Fixed."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     return (repo / "m.py").read_text(), result.turns[1].output.meta["repair"]
 
@@ -194,7 +194,7 @@ async def held_session(repo, monkeypatch, check: str, twice: bool = False, **con
     monkeypatch.setattr(repair, "propose", proposed)
     change = "A fix.\n" + edit("    return 0", "    return 1") * (1 + twice) + "\n" + run(check)
     model = Repairing([run(check), change, 'Reading.\n<read_file path="m.py"/>', "Done."], KNOWN)
-    cfg = SessionConfig(approve="all", repair=True, **config)
+    cfg = repairing(**config)
     return await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
 
 
@@ -249,7 +249,7 @@ async def test_a_pytest_run_of_no_test_does_not_replace_the_failing_check(repo, 
     model = Repairing(
         ["Running.\n" + run(ONE) + run(missing), "Reading.\n" + read, "Fixed."], KNOWN
     )
-    cfg = SessionConfig(approve="all", repair=True)
+    cfg = repairing()
     result = await Session(model=model, workspace=LocalWorkspace(repo), config=cfg).run("fix")
     assert result.turns[0].calls[1].result.meta["exit_code"] == 4
     assert result.turns[1].output.meta["repair"]["command"] == ONE
@@ -282,7 +282,7 @@ async def refused_every_turn(repo, turns: int) -> tuple[Session, object]:
         return "Fixed." if "exit code 0" in messages[-1].content else change
 
     model = Repairing([run(ONE)] + [reply] * turns, KNOWN)
-    cfg = SessionConfig(approve="all", repair=True, max_turns=turns + 1)
+    cfg = repairing(max_turns=turns + 1)
     session = Session(model=model, workspace=LocalWorkspace(repo), config=cfg)
     return session, await session.run("fix")
 
