@@ -1422,10 +1422,9 @@ def _worker_ends(signum: int, frame: Any) -> None:
     # that project's scratch folder behind).
     # The build's death can signal more than once: the worker passes to each of its
     # threads in turn as they exit, and each exit sends the signal again. Only the
-    # first unwinds; a second SystemExit would cut the first one's cleanup short.
+    # first unwinds (the rest are ignored); a second SystemExit would cut the first
+    # one's cleanup short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _ending.is_set():
-        return
     _ending.set()
     threading.Timer(5.0, os._exit, (1,)).start()
     raise SystemExit(1)
