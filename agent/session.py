@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opencomposer.agent import alternatives, localize, repair, trials
+from opencomposer.agent import alternatives, localize, repair, reproduce, trials
 from opencomposer.agent import events as ev
 from opencomposer.agent.executor import Approval, CallRecord, Executor, Hooks, format_results
 from opencomposer.agent.prompts import system_prompt, user_message
@@ -56,7 +56,7 @@ from opencomposer.tools.protocols import (
     ToolResult,
     Workspace,
 )
-from opencomposer.tools.sandbox import run_sandboxed
+from opencomposer.tools.sandbox import CommandResult, run_sandboxed
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ STUCK_TURNS = 3
 # what the failing command took, and at least TRIAL_MIN_S seconds.
 TRIAL_FACTOR = 3.0
 TRIAL_MIN_S = 5.0
+# Bytes of output kept from the test-suite run that reproduces a request's failure
+# (`SessionConfig.reproduce_s`): every failure's section is read.
+SUITE_OUTPUT = 4_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +128,22 @@ class SessionConfig:
     # its calls fail with a note that says so. Made, a wrong change moves the code every
     # later repair starts from away from the one the failing run showed
     hold_failing: bool = True
+    # with repair, a request that quotes how the code fails (pytest's `E` lines, an
+    # exception's line) has the project's test suite run once before the first turn,
+    # read-only, and the tests that fail that way become the failing check while the
+    # model has run none of its own (`agent/reproduce.py`). The seconds that run may
+    # take; 0: off
+    reproduce_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Reproduced:
+    """The failure a request quoted, as the session reproduced it (`_reproduce`)."""
+
+    command: str  # the tests that fail as the request says, alone
+    seconds: float  # what that run took
+    output: str  # what it printed
+    suite_s: float  # what the run of the whole suite that found them took
 
 
 @dataclass(kw_only=True)
@@ -295,12 +314,9 @@ def _check_meta(call: CallRecord) -> dict[str, Any] | None:
     return meta
 
 
-def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
-    """(command, seconds it ran) of the model's last check when that check failed, by
-    its exit code, not by a kill; None when it passed, was killed, or there is none.
-    What a change is tried against before it is made (`SessionConfig.verify_s`). A
-    pytest run of no test (`localize.ran_no_test`: a wrong path, a `-k` matching none)
-    is passed over: no change can make it pass, and the check before it still holds."""
+def _last_check(turns: list[TurnRecord]) -> tuple[CallRecord, dict[str, Any]] | None:
+    """The model's last check and its meta, a pytest run of no test
+    (`localize.ran_no_test`) passed over; None when it has run none."""
     last = None
     for c in (c for t in turns for c in t.calls):
         meta = _check_meta(c)
@@ -308,6 +324,16 @@ def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
             str(c.args.get("command", "")), meta.get("exit_code")
         ):
             last = (c, meta)
+    return last
+
+
+def failing_check(turns: list[TurnRecord]) -> tuple[str, float] | None:
+    """(command, seconds it ran) of the model's last check when that check failed, by
+    its exit code, not by a kill; None when it passed, was killed, or there is none.
+    What a change is tried against before it is made (`SessionConfig.verify_s`). A
+    pytest run of no test (`localize.ran_no_test`: a wrong path, a `-k` matching none)
+    is passed over: no change can make it pass, and the check before it still holds."""
+    last = _last_check(turns)
     if last is None:
         return None
     call, meta = last
@@ -347,10 +373,11 @@ def _repair_lines(
     held: list[ParsedCall],
     called: Sequence[tuple[str, int]] = (),
     installed: tuple[str, ...] = (),
+    failing_output: str = "",
 ) -> list[tuple[str, int]]:
     """(path, 0-based line) where a repair looks for its edits, the likeliest first:
     what the turn's change targets, the frames of the failing run's traceback
-    (innermost first), the functions the failing test called (`called`, the last
+    (`failing_output`, innermost first), the functions the failing test called (`called`, the last
     called first: `agent/localize.py`), then the lines the session's greps found and
     its reads showed, the latest first. None in the folders packages were installed
     into (`installed`, `localize.installed_folders`): a dependency's code is not the
@@ -373,9 +400,7 @@ def _repair_lines(
             if old and (at := text.find(old)) >= 0:
                 lines.append((path, text.count("\n", 0, at)))
     root = str(ws.root)
-    found = failing_check(turns)
-    if found:
-        lines += repair.traceback_lines(_failing_output(turns, found[0]), root)
+    lines += repair.traceback_lines(failing_output, root)
     lines += called
     records = [c for t in turns for c in t.calls if c.result is not None]
     for c in reversed(records):
@@ -491,6 +516,8 @@ class Session:
         self._failed_edits: set[bytes] = set()
         # the model's answers to the repairs' reads (`repair.Remembered`), made once
         self._repair_lm: repair.Remembered | None = None
+        # this request's failure as the session reproduced it (`_reproduce`)
+        self._reproduced: _Reproduced | None = None
 
     # -- public -----------------------------------------------------------------
 
@@ -528,6 +555,7 @@ class Session:
         self._request_t = self.clock.now()
         self.turns, self.edits, self.completion_tokens = [], [], 0
         self._rechecked = False
+        self._reproduced = None
         if not self.messages:
             self.messages = [Message(role="system", content=system_prompt(style=self.prompt_style))]
         self.messages.append(Message(role="user", content=user_message(query, context)))
@@ -548,6 +576,7 @@ class Session:
         )
         status, answer, error = "completed", "", None
         try:
+            await self._reproduce(query)
             answer = await self._loop()
         except _End as end:
             status, error = end.status, str(end)
@@ -805,7 +834,9 @@ class Session:
 
         installed = localize.installed_folders(self.workspace.root)
         called = await self._failing_calls(command, installed)
-        lines = _repair_lines(self.workspace, self.turns, held, called, installed)
+        lines = _repair_lines(
+            self.workspace, self.turns, held, called, installed, self._output(command)
+        )
         texts: dict[str, str] = {}
         for path, _ in lines:
             if path not in texts and self.workspace.exists(path):
@@ -869,6 +900,7 @@ class Session:
             **({"known_failed": skipped} if skipped else {}),
             **({"forked": forked} if forked else {}),
             **({"turned_down": turned_down} if turned_down else {}),
+            **self._reproduced_meta(command),
             "runs": runs,
             "ruled_out": len(ruled_out),
             "untried": max(0, len(proposals) - len(ruled_out)),
@@ -888,7 +920,7 @@ class Session:
         back (`SessionConfig.hold_failing`): only when that check's last run named the
         tests it failed. A command that fails for any other reason (a wrong path, a
         usage error) fails with every change, the right one too."""
-        output = _failing_output(self.turns, command)
+        output = self._output(command)
         return self.config.hold_failing and bool(localize.failed_tests(output))
 
     def _held_back(
@@ -970,7 +1002,7 @@ class Session:
     def _rerun_limit(self, command: str, times: float) -> float | None:
         """Seconds for another run of `command`, the session's failing check: `times`
         what a trial run of it gets; None when it is not that check."""
-        found = failing_check(self.turns)
+        found = self._check()
         if found is None or found[0] != command:
             return None
         return min(times * max(TRIAL_MIN_S, TRIAL_FACTOR * found[1]), self.ctx.sandbox.timeout_s)
@@ -995,7 +1027,7 @@ class Session:
 
         # more tests than the failing command's, each run given some time
         limit = self._rerun_limit(command, 4.0)
-        guard = localize.guard_command(command, _failing_output(self.turns, command))
+        guard = localize.guard_command(command, self._output(command))
         if limit is None or guard is None:
             return counted
         root = Path(self.workspace.root)
@@ -1103,7 +1135,7 @@ class Session:
         run has only the tests the command failed collected and run
         (`localize.narrowed_command`): a `-k` over a whole folder otherwise imports
         every test file again for every candidate."""
-        found = failing_check(self.turns)
+        found = self._check()
         if not proposals or found is None or found[0] != command:
             return None, 0.0
         each = max(TRIAL_MIN_S, TRIAL_FACTOR * found[1])
@@ -1117,7 +1149,7 @@ class Session:
                 line, root=root, config=self.ctx.sandbox, timeout_s=limit, files={}, scratch=folder
             )
 
-        narrow = localize.narrowed_command(command, _failing_output(self.turns, command))
+        narrow = localize.narrowed_command(command, self._output(command))
         t0 = self.clock.now()
         try:
             verdicts = await trials.forked(
@@ -1157,18 +1189,90 @@ class Session:
 
         try:
             return await localize.failing_calls(
-                command, str(root), _failing_output(self.turns, command), run, installed
+                command, str(root), self._output(command), run, installed
             )
         except (ToolError, OSError) as e:
             log.info("session %s: no profiled run of %r: %s", self.id, command, e)
             return []
 
+    async def _reproduce(self, query: str) -> None:
+        """With repair on, when `query` quotes how the code fails (`reproduce.quoted`):
+        run the test suite once, read-only, find the tests that fail that way
+        (`reproduce.matching`) and run them alone; when they fail, that command is the
+        session's failing check until the model runs a check of its own (`_check`).
+        Only commands the policy runs without a question are run, within `reproduce_s`."""
+        if not (self._repair_on() and self.config.verify_s > 0 and self.config.reproduce_s > 0):
+            return
+        quotes = reproduce.quoted(query)
+        run_spec = specs.BY_NAME[specs.RUN_TERMINAL]
+        if not quotes or not self.runs_unasked(run_spec, {"command": reproduce.SUITE}):
+            return
+        t0 = self.clock.now()
+        root = Path(self.workspace.root)
+        # every failure's section is read, not only the head and tail a tool result keeps
+        wide = dataclasses.replace(
+            self.ctx.sandbox, output_limit=max(self.ctx.sandbox.output_limit, SUITE_OUTPUT)
+        )
+
+        async def run(command: str, config: SandboxConfig) -> CommandResult | None:
+            left = min(self.config.reproduce_s - (self.clock.now() - t0), config.timeout_s)
+            if left < TRIAL_MIN_S:
+                return None
+            try:
+                result = await run_sandboxed(
+                    command, root=root, config=config, timeout_s=left, files={}
+                )
+            except (ToolError, OSError) as e:
+                log.info("session %s: no run of %r: %s", self.id, command, e)
+                return None
+            # pytest's exit code when tests failed (1) or could not be collected (2)
+            return result if result.exit_code in (1, 2) and not result.killed_reason else None
+
+        suite = await run(reproduce.SUITE, wide)
+        ids = reproduce.matching(suite.output, quotes) if suite else []
+        command = reproduce.command(ids) if ids else ""
+        found = None
+        if command and self.runs_unasked(run_spec, {"command": command}):
+            found = await run(command, self.ctx.sandbox)
+        if found is None or not localize.failed_tests(found.output):
+            log.info("session %s: the quoted failure was not reproduced", self.id)
+            return
+        self._reproduced = _Reproduced(
+            command=command,
+            seconds=found.duration_s,
+            output=found.output,
+            suite_s=round(suite.duration_s if suite else 0.0, 2),
+        )
+        log.info("session %s: reproduced the quoted failure with `%s`", self.id, command)
+
+    def _check(self) -> tuple[str, float] | None:
+        """(command, seconds it ran) of the check a change is tried against: the
+        model's last check when it failed (`failing_check`); while the model has run
+        none, the tests the session found failing as the request says (`_reproduce`)."""
+        if self._reproduced is not None and _last_check(self.turns) is None:
+            return self._reproduced.command, self._reproduced.seconds
+        return failing_check(self.turns)
+
+    def _reproduced_meta(self, command: str) -> dict[str, Any]:
+        """A repair's meta on the check it ran against, when the session found it."""
+        found = self._reproduced
+        if found is None or command != found.command or _last_check(self.turns) is not None:
+            return {}
+        return {"reproduced": {"suite_s": found.suite_s, "seconds": round(found.seconds, 2)}}
+
+    def _output(self, command: str) -> str:
+        """The output of the last run of `command`, the model's or the session's own."""
+        output = _failing_output(self.turns, command)
+        if not output and self._reproduced is not None and command == self._reproduced.command:
+            return self._reproduced.output
+        return output
+
     def _trial(self) -> tuple[str, alternatives.Check, float] | None:
-        """(command, check, deadline) that tries a candidate's files against the model's
-        last failing command (`failing_check`), by the session's clock's `deadline`
+        """(command, check, deadline) that tries a candidate's files against the
+        session's failing check (`_check`), by the session's clock's `deadline`
         (`verify_s` seconds for the turn); None when there is no such command or the
         policy would ask before running it."""
-        found = failing_check(self.turns) if self.config.verify_s > 0 else None
+        found = self._check() if self.config.verify_s > 0 else None
         if found is None:
             return None
         command, seconds = found
