@@ -20,6 +20,10 @@ Outputs under `--out` (default `docs/embedded/`): `heldout.json` (every model's
 two standard errors, per model). Per-model bench folders (traces, per-task rows) go
 under `--work` (default `bench-heldout/`, not committed).
 
+`--query issue` (or `test`, `oneline`) gives every sampled task that kind of request
+in place of its own (`mixed`: a third of the tasks each, by task id), so one kind's
+figures can be read alone.
+
 `--split train` samples training-project tasks instead, the same way: a control that
 tells a policy that cannot fix bugs from one that has not learned to generalise (its
 training projects' figures beside the held-out ones; `per_project` in the JSON).
@@ -88,12 +92,19 @@ def run_models(run: Path) -> list[tuple[str, str]]:
     return out
 
 
-def sample_suite(n: int, seed: int, dest: Path, split: str = "heldout") -> list[str]:
+def suite_name(split: str, query: str = "mixed") -> str:
+    """The catalog's name of the corpus tasks of `split` with requests of kind `query`."""
+    return f"corpus:{split}" + ("" if query == "mixed" else f":{query}")
+
+
+def sample_suite(
+    n: int, seed: int, dest: Path, split: str = "heldout", query: str = "mixed"
+) -> list[str]:
     """Link a round-robin sample of `n` corpus tasks of `split` into `dest`; their ids."""
     from opencomposer.training.catalog import load_suite
     from opencomposer.training.demos import spread
 
-    tasks = spread(load_suite(f"corpus:{split}"), n, seed)
+    tasks = spread(load_suite(suite_name(split, query)), n, seed)
     if not tasks:
         raise SystemExit(f"error: the corpus has no {split} tasks (build it first)")
     dest.mkdir(parents=True, exist_ok=True)
@@ -229,8 +240,16 @@ def main() -> int:
         default="heldout",
         help="train: training-project tasks, a control (default: held out)",
     )
+    ap.add_argument(
+        "--query",
+        choices=("mixed", "test", "issue", "oneline"),
+        default="mixed",
+        help="the requests: each task's own kind (mixed, the default) or one kind for all",
+    )
     a = ap.parse_args()
     what = "held-out" if a.split == "heldout" else "training-project"
+    if a.query != "mixed":
+        what += f" ({a.query} requests)"
 
     from opencomposer.training.bench import run_bench
 
@@ -238,10 +257,10 @@ def main() -> int:
     if not models:
         models = [("base", "smollm2-base"), *run_models(a.run)]
     suite = Path(tempfile.mkdtemp(prefix="heldout-"))
-    ids = sample_suite(a.tasks, a.seed, suite, a.split)
+    ids = sample_suite(a.tasks, a.seed, suite, a.split, a.query)
     from opencomposer.training.catalog import load_suite
 
-    tasks = {t.id: t for t in load_suite(f"corpus:{a.split}") if t.id in set(ids)}
+    tasks = {t.id: t for t in load_suite(suite_name(a.split, a.query)) if t.id in set(ids)}
     print(
         f"{what}: {len(ids)} tasks, {a.max_turns} turns each; CPU {cpu_model()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
@@ -284,6 +303,7 @@ def main() -> int:
         "max_turns": a.max_turns,
         "seed": a.seed,
         "split": a.split,
+        "query": a.query,
         "cpu": cpu_model(),
         "load": os.getloadavg()[0],
         "models": {label: s for label, s in rows},
