@@ -640,9 +640,26 @@ class Session:
         once a request, while it has a turn left."""
         if not self.config.recheck or self._rechecked or len(self.turns) >= self.max_turns:
             return ""
-        why = unchecked_answer(self.turns)
+        why = unchecked_answer(self.turns) or self._still_failing()
         self._rechecked = bool(why)
         return why
+
+    def _still_failing(self) -> str:
+        """The note for an answer given while the failure the session reproduced
+        (`_reproduce`) still shows, or "": the model ran no check of its own, and the
+        answer's turn had the code as it is fail the reproducing tests in its repair's
+        trial run (a repair that found an edit gives its turn a call: not an answer)."""
+        found = self._reproduced
+        if found is None or not self.turns or _last_check(self.turns) is not None:
+            return ""
+        meta = self.turns[-1].output.meta.get("repair")
+        if not isinstance(meta, dict) or meta.get("command") != found.command:
+            return ""
+        return (
+            f"`{_one_line(found.command)}`, the tests that fail as the request shows, still "
+            "fails, so the task is not done yet. Keep working on it; if it cannot pass, "
+            "answer and say why."
+        )
 
     async def _turn(self, turn: int) -> TurnRecord:
         sampling = self._fit_context()

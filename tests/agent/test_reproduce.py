@@ -136,3 +136,21 @@ async def test_nothing_is_run_for_a_failure_no_test_shows_or_with_repair_off(tmp
         assert result.status == "completed"
         assert (root / "m.py").read_text() == PICK, (query, cfg)
         assert all("repair" not in t.output.meta for t in result.turns)
+
+
+async def test_an_answer_while_the_reproduced_failure_shows_is_sent_back_once(repo):
+    """No edit the model proposes passes (the test wants a value no small edit gives):
+    its answer goes back once, naming the tests that still fail; the next one ends it."""
+    root = project(repo)
+    (root / "tests" / "test_m.py").write_text(TESTS.replace("== 2", "== 7"))
+    query = ISSUE.replace("0 == 2", "0 == 7")
+    model = Repairing(["It is fixed.", "It cannot pass: 7 is not a value `pick` returns."], KNOWN)
+    # the trial budget only needs to see the code fail once; no edit can pass
+    cfg = SessionConfig(approve="all", repair=True, verify_s=60.0)
+    result = await Session(model=model, workspace=LocalWorkspace(root), config=cfg).run(query)
+    assert result.status == "completed" and len(result.turns) == 2
+    assert result.answer.startswith("It cannot pass")
+    sent = [m.content for m in result.turns[1].messages if m.role == "user"][-1]
+    assert sent.startswith("`python -m pytest -q --tb=short tests/test_m.py::test_pick`")
+    assert "still fails" in sent
+    assert (root / "m.py").read_text() == PICK
