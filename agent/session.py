@@ -835,14 +835,15 @@ class Session:
         runs = 0
         # the files as the change leaves them: a call of it that cannot apply fails alone
         own = alternatives.preview(self.workspace, held, skipping=True)
-        own_failed = False
-        if (own and all(self.workspace.exists(p) for p in own)) or not held:
-            # the change, or the code as it is when the reply changes nothing
-            passed = await check({p: after for p, (_, after) in (own or {}).items()})
-            runs += passed is not None
-            if passed is None or passed:
-                return None  # it passes, or nothing more can be tried
-            own_failed = bool(held)
+        # the change, or the code as it is when the reply changes nothing or its change
+        # cannot be tried (no call of it applies, it deletes or creates a file): code that
+        # passes already has nothing to repair, whatever the change does on its own
+        tried = bool(own) and all(self.workspace.exists(p) for p in own or {})
+        passed = await check({p: after for p, (_, after) in own.items()} if own and tried else {})
+        runs += passed is not None
+        if passed is None or passed:
+            return None  # it passes, or nothing more can be tried
+        own_failed = tried
 
         def unrepaired() -> tuple[TurnOutput, list[ParsedCall], list[ParsedCall]] | None:
             if own_failed and self._holds(command):

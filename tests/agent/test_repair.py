@@ -491,6 +491,23 @@ async def test_a_reply_that_changes_nothing_gets_the_edit_that_passes(repo, stor
     assert [c.name for c in result.turns[2].calls] == ["read_file"]
 
 
+async def test_a_change_that_cannot_apply_is_not_repaired_once_the_code_passes(repo, store):
+    """The failing check was fixed by a repair, and the model, not having rerun it,
+    sends an edit of a file that is not there: the code as it is passes, so nothing is
+    proposed in its place (an edit that merely keeps the check passing would be made)."""
+    (repo / "m.py").write_text(PICK)
+    read = '<read_file path="m.py"/>'
+    ghost = edit("    return 0", "    return 1", path="gone.py")
+    model = Repairing([run(CHECK), "Reading.\n" + read, "Also.\n" + ghost, "Fixed."], KNOWN)
+    session = Session(model=model, workspace=LocalWorkspace(repo), config=repairing(), traces=store)
+    result = await session.run("fix pick")
+    assert (repo / "m.py").read_text() == PICK.replace("lo < hi", "lo <= hi")
+    assert "repair" in result.turns[1].output.meta
+    third = result.turns[2]
+    assert "repair" not in third.output.meta
+    assert [(c.name, c.result.status) for c in third.calls] == [("edit_file", "error")]
+
+
 async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, store, monkeypatch):
     """Each repair tries a few candidates (`tail`). Once the first repair's have failed
     the check, the next repair, of the same code in the same focus, leaves them out and
