@@ -649,8 +649,8 @@ class Session:
         (`_reproduce`) still shows, or "": the model ran no check of its own, and the
         answer's turn had the code as it is fail the reproducing tests in its repair's
         trial run (a repair that found an edit gives its turn a call: not an answer)."""
-        found = self._reproduced
-        if found is None or not self.turns or _last_check(self.turns) is not None:
+        found = self._reproducing()
+        if found is None or not self.turns:
             return ""
         meta = self.turns[-1].output.meta.get("repair")
         if not isinstance(meta, dict) or meta.get("command") != found.command:
@@ -834,12 +834,12 @@ class Session:
         t0 = self.clock.now()
         runs = 0
         # the files as the change leaves them: a call of it that cannot apply fails alone
-        own = alternatives.preview(self.workspace, held, skipping=True)
+        own = alternatives.preview(self.workspace, held, skipping=True) or {}
         # the change, or the code as it is when the reply changes nothing or its change
         # cannot be tried (no call of it applies, it deletes or creates a file): code that
         # passes already has nothing to repair, whatever the change does on its own
-        tried = bool(own) and all(self.workspace.exists(p) for p in own or {})
-        passed = await check({p: after for p, (_, after) in own.items()} if own and tried else {})
+        tried = bool(own) and all(self.workspace.exists(p) for p in own)
+        passed = await check({p: after for p, (_, after) in own.items()} if tried else {})
         runs += passed is not None
         if passed is None or passed:
             return None  # it passes, or nothing more can be tried
@@ -1267,14 +1267,17 @@ class Session:
         """(command, seconds it ran) of the check a change is tried against: the
         model's last check when it failed (`failing_check`); while the model has run
         none, the tests the session found failing as the request says (`_reproduce`)."""
-        if self._reproduced is not None and _last_check(self.turns) is None:
-            return self._reproduced.command, self._reproduced.seconds
-        return failing_check(self.turns)
+        found = self._reproducing()
+        return (found.command, found.seconds) if found else failing_check(self.turns)
+
+    def _reproducing(self) -> _Reproduced | None:
+        """The failure the session reproduced, while the model has run no check."""
+        return self._reproduced if _last_check(self.turns) is None else None
 
     def _reproduced_meta(self, command: str) -> dict[str, Any]:
         """A repair's meta on the check it ran against, when the session found it."""
-        found = self._reproduced
-        if found is None or command != found.command or _last_check(self.turns) is not None:
+        found = self._reproducing()
+        if found is None or command != found.command:
             return {}
         return {"reproduced": {"suite_s": found.suite_s, "seconds": round(found.seconds, 2)}}
 
