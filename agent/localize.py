@@ -15,9 +15,14 @@ names the project's functions it called.
 
 Only calls made while a test function runs count, and of those not the `__repr__`
 (`__str__`, `__format__`) a test runner calls to show a value in an assertion's
-message: the test's own code calls them only when it means to test them. A
-command that sets `PYTHONPATH` itself, or a program that is not Python, leaves no
-record: then nothing is found, and the repair looks where it did before.
+message: the test's own code calls them only when it means to test them. A command
+that sets `PYTHONPATH` itself (`PYTHONPATH=src pytest`) gets the tracer's folder put
+first in the value it sets. A program that is not Python leaves no record: then
+nothing is found, and the repair looks where it did before.
+
+The same run records the lines of the workspace's code that ran (`executed_lines`):
+an edit of a line the failing run never reached leaves that run as it was, so the
+repair tries the edits of lines it reached first.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from opencomposer.agent import repair
 
@@ -46,7 +51,8 @@ INSTALLED_SCAN = 20_000
 _NOT_SCANNED = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__"})
 
 _TRACER = """\
-# Written by opencomposer for one run: which functions of a workspace each test called.
+# Written by opencomposer for one run: which functions of a workspace each test called,
+# and which lines of its code ran.
 import atexit, json, os, re, sys, threading
 
 _ROOT = os.environ.get("OPENCOMPOSER_TRACE_ROOT", "")
@@ -60,6 +66,7 @@ _stack = []  # (key, frame) of the test functions running
 _n = [0]
 _SHOW = ("__repr__", "__str__", "__format__")
 _kind = {}  # file -> is it a test file
+_lines = {}  # file of the workspace's code (not a test's) -> the lines it ran
 
 
 def _is_test(path):
@@ -94,12 +101,29 @@ def _profile(frame, event, arg):
         _stack.pop()
 
 
+def _trace(frame, event, arg):
+    path = frame.f_code.co_filename
+    if not path.startswith(_ROOT) or path.startswith(_SKIP) or _is_test(path):
+        return None  # its lines are not followed
+    _lines.setdefault(path, set()).add(frame.f_lineno)
+    return _line
+
+
+def _line(frame, event, arg):
+    if event == "line":
+        _lines[frame.f_code.co_filename].add(frame.f_lineno)
+    return _line
+
+
 def _dump():
     sys.setprofile(None)
     threading.setprofile(None)
+    sys.settrace(None)
+    threading.settrace(None)
     out = {
         "tests": [[*k, [[*w, s] for w, s in calls.items()]] for k, calls in _tests.items()],
         "all": [[*w, s] for w, s in _all.items()],
+        "lines": {path: sorted(lines) for path, lines in _lines.items()},
     }
     with open(os.path.join(_OUT, "%d.json" % os.getpid()), "w") as fh:
         json.dump(out, fh)
@@ -109,11 +133,14 @@ if _ROOT and _OUT and os.path.isdir(_OUT):
     atexit.register(_dump)
     threading.setprofile(_profile)
     sys.setprofile(_profile)
+    threading.settrace(_trace)
+    sys.settrace(_trace)
 """
 
 # {"tests": [[file, first line, name, [[file, first line, name, last call], ...]], ...],
-#  "all": [[file, first line, name, last call], ...]}: what a traced run leaves
-Trace = dict[str, list[Any]]
+#  "all": [[file, first line, name, last call], ...],
+#  "lines": {file: [line, ...]}}: what a traced run leaves (lines 1-based)
+Trace = dict[str, Any]
 
 _TEST_NAME = re.compile(r"(?:^|\s)([\w./-]+\.py)::(?:\w+::)*(\w+)", re.MULTILINE)
 
@@ -133,6 +160,16 @@ def trace_prefix(folder: str, root: str, skip: tuple[str, ...] = ()) -> str:
         f" OPENCOMPOSER_TRACE_SKIP={_quote(json.dumps(list(skip)))}\n"
         f'export PYTHONPATH={_quote(folder)}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
     )
+
+
+_SETS_PATH = re.compile(r"(^|[\s;&|(])((?:export\s+)?PYTHONPATH=)")
+
+
+def with_tracer_path(command: str, folder: str) -> str:
+    """`command` with `folder` put first in each value it gives `PYTHONPATH` itself
+    (`PYTHONPATH=src pytest`, `export PYTHONPATH=…`), where it would drop the one
+    `trace_prefix` exports."""
+    return _SETS_PATH.sub(lambda m: f"{m.group(1)}{m.group(2)}{_quote(folder)}:", command)
 
 
 def installed_folders(root: str | Path) -> tuple[str, ...]:
@@ -179,6 +216,7 @@ def read_trace(folder: Path) -> Trace:
     """The records of a traced run's Python processes, merged (the last to finish
     wins a test both ran); empty when none left one."""
     merged: Trace = {"tests": [], "all": []}
+    lines: dict[str, set[int]] = {}
     files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)
     for f in files:
         try:
@@ -188,7 +226,32 @@ def read_trace(folder: Path) -> Trace:
         if isinstance(data, dict):
             merged["tests"] += data.get("tests") or []
             merged["all"] += data.get("all") or []
+            ran = data.get("lines")
+            for path, got in ran.items() if isinstance(ran, dict) else ():
+                lines.setdefault(str(path), set()).update(n for n in got if isinstance(n, int))
+    if lines:
+        merged["lines"] = {path: sorted(got) for path, got in lines.items()}
     return merged
+
+
+def executed_lines(trace: Trace, root: str) -> dict[str, frozenset[int]] | None:
+    """The 0-based lines of each workspace file (path relative to `root`) the traced
+    run ran, tests left out; None when the record cannot tell: it holds no lines, or a
+    file whose functions the run called has none (another tracer, pytest-cov's or a
+    debugger's, took the place of this one), so that code it shows as not run may
+    have run."""
+    ran = trace.get("lines")
+    if not isinstance(ran, dict) or not ran:
+        return None
+    prefix = root.rstrip("/") + "/"
+    for path, first, *_ in trace.get("all") or []:
+        if not any(n >= int(first) for n in ran.get(path, ())):
+            return None
+    return {
+        path[len(prefix) :]: frozenset(n - 1 for n in got if n > 0)
+        for path, got in ran.items()
+        if path.startswith(prefix)
+    }
 
 
 def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
@@ -225,6 +288,35 @@ def called_lines(trace: Trace, output: str, root: str) -> list[tuple[str, int]]:
     return out
 
 
+class Failing(NamedTuple):
+    """What a traced run of the failing command shows (`failing_run`)."""
+
+    called: list[tuple[str, int]]  # `called_lines`
+    executed: dict[str, frozenset[int]] | None  # `executed_lines`
+
+
+async def failing_run(
+    command: str,
+    root: str,
+    output: str,
+    run: Callable[[str, Path], Awaitable[object]],
+    skip: tuple[str, ...] = (),
+) -> Failing:
+    """Run `command` once more with the tracer (`run(traced command, scratch folder)`,
+    which must let the command write that folder and nothing else), recording nothing
+    of code under `skip` (`installed_folders`), and read its record: nothing called and
+    no lines known when the run left none."""
+    folder = Path(tempfile.mkdtemp(prefix="opencomposer-trace-"))
+    try:
+        (folder / "sitecustomize.py").write_text(tracer_source())
+        traced = trace_prefix(str(folder), root, skip) + with_tracer_path(command, str(folder))
+        await run(traced, folder)
+        trace = read_trace(folder)
+        return Failing(called_lines(trace, output, root), executed_lines(trace, root))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 async def failing_calls(
     command: str,
     root: str,
@@ -232,17 +324,8 @@ async def failing_calls(
     run: Callable[[str, Path], Awaitable[object]],
     skip: tuple[str, ...] = (),
 ) -> list[tuple[str, int]]:
-    """Run `command` once more with the tracer (`run(traced command, scratch folder)`,
-    which must let the command write that folder and nothing else), recording no call
-    of code under `skip` (`installed_folders`), and return `called_lines` for its
-    record; [] when the run left none."""
-    folder = Path(tempfile.mkdtemp(prefix="opencomposer-trace-"))
-    try:
-        (folder / "sitecustomize.py").write_text(tracer_source())
-        await run(trace_prefix(str(folder), root, skip) + command, folder)
-        return called_lines(read_trace(folder), output, root)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    """`called_lines` of a traced run of `command` (`failing_run`)."""
+    return (await failing_run(command, root, output, run, skip)).called
 
 
 # -- what else the failing test's files test -----------------------------------------

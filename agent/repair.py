@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import bisect
 import functools
 import heapq
 import io
@@ -221,6 +222,7 @@ class Proposal:
     gain: float  # log P(code after the edit) - log P(code now), over the edit's window
     exact: bool = True  # False: `gain` is the first-order estimate (`TAIL`)
     first: FirstOrder | None = None  # where its first-order gain is read
+    ran: bool = True  # False: the failing run did not reach its line (`propose(live=…)`)
 
 
 def is_test_file(path: str) -> bool:
@@ -383,31 +385,40 @@ async def propose(
     rescore: int = RESCORE,
     tail: int = TAIL,
     known: Callable[[str, str], bool] | None = None,
+    live: Callable[[str, int], bool] | None = None,
 ) -> list[Proposal]:
     """Candidate edits of `spans` (in the files `texts`), best first by exact gain, then
     up to `tail` more by first-order gain. The edits of all spans compete for the
     `expand` continuations and the `rescore` exact scores on their first-order gains.
     An edit `known(path, the file's text after it)` says was tried already is left
-    out and not counted: the candidates after it take its place."""
+    out and not counted: the candidates after it take its place. With `live(path,
+    0-based line)`, whether the failing run could have run what an edit at that line
+    changes (`live_lines`), the edits at live lines come first, all of them before any
+    other: an edit of code the failing run never reached leaves that run as it was."""
     sites = _sites(tok, texts, _merged(spans))
     edits: list[tuple[_Site, _Edit]] = []
     tops = await asyncio.gather(*(lm.top_tokens(s.prompt, s.offset, k) for s in sites))
     for site, rows in zip(sites, tops, strict=True):
         if len(rows) == len(site.ids):
             edits += [(site, e) for e in _edits(tok, site, rows)]
+    ran = _ran(sites, live)
+
+    def rank(se: tuple[_Site, _Edit]) -> tuple[bool, float]:
+        return ran(se), se[1].first_order
+
     # about a third of the edits do not parse, or change a comment or a name the file
     # defines: the tail is drawn from twice its size
     top = max(expand, rescore)
     if known is None:
-        best = heapq.nlargest(top + 2 * tail, edits, key=lambda se: se[1].first_order)
+        best = heapq.nlargest(top + 2 * tail, edits, key=rank)
     else:  # the edits tried already may be many: the tail is drawn from all of them
-        best = sorted(edits, key=lambda se: -se[1].first_order)
+        best = sorted(edits, key=rank, reverse=True)
     # in the order of the code, so a cache of the tokens before each edit serves the next
     order = {site: n for n, site in enumerate(sites)}
     grown = await _grow(lm, tok, sorted(best[:expand], key=lambda se: (order[se[0]], se[1].at)))
     seen: set[tuple[_Site, str]] = set()
     # best first by first-order gain, an edit's continuations before it
-    first = iter(sorted([*grown, *best[:top]], key=lambda se: -se[1].first_order))
+    first = iter(sorted([*grown, *best[:top]], key=rank, reverse=True))
     chosen = _kept(tok, first, rescore, seen, known)
     rest = _kept(tok, itertools.chain(first, best[top:]), tail, seen, known)
     # in the order of the code, so a cache of the tokens before each edit serves the next
@@ -419,15 +430,114 @@ async def propose(
         after = site.head + new_body + site.tail
         old, new = changed_lines(site.text, after)
         first = FirstOrder(order[site], e.at, e.how, e.lead)
-        return Proposal(site.span.path, after, old, new, gain, exact, first)
+        return Proposal(site.span.path, after, old, new, gain, exact, first, ran((site, e)))
 
     out = [
         proposal(site, e, new_body, gain, True)
         for (site, e, new_body), gain in zip(chosen, gains, strict=True)
         if math.isfinite(gain)
     ]
-    out.sort(key=lambda p: -p.gain)
+    out.sort(key=lambda p: (not p.ran, -p.gain))
     out += [proposal(site, e, new_body, e.first_order, False) for site, e, new_body in rest]
+    return out
+
+
+def _ran(
+    sites: Sequence[_Site], live: Callable[[str, int], bool] | None
+) -> Callable[[tuple[_Site, _Edit]], bool]:
+    """Whether `live` holds at the line an edit starts on (an insertion before a line
+    break, at the end of the line it ends); always, without `live`."""
+    if live is None:
+        return lambda se: True
+    check = live
+    by_site: dict[_Site, list[bool]] = {}
+    for site in sites:
+        line, flags = site.span.start, []
+        for piece in site.pieces:
+            flags.append(check(site.span.path, line))
+            line += piece.count("\n")
+        by_site[site] = flags
+    return lambda se: by_site[se[0]][se[1].at]
+
+
+def live_lines(text: str, ran: Iterable[int]) -> frozenset[int] | None:
+    """The 0-based lines of a Python file where an edit can change what a run did that
+    ran its lines `ran` (0-based, as a line tracer reports them): every line of a
+    statement with a line that ran (a call whose arguments span lines reports one of
+    them), and a compound statement's own lines (its header and decorators, `else:`,
+    `except …:`, the lines between its statements) when a line of it ran. A function's
+    body that never ran is not live, though its `def` ran when its module was
+    imported. None for a file that does not parse."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    starts = sorted(set(ran))
+
+    def touched(first: int, last: int) -> bool:  # a line of [first, last) ran
+        i = bisect.bisect_left(starts, first)
+        return i < len(starts) and starts[i] < last
+
+    live: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt):
+            continue
+        first, last = _lines_of(node)
+        if not touched(first, last):
+            continue
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body[0].lineno - 1
+            if not touched(body, last):
+                live.update(range(first, body))  # it was defined, never run
+                continue
+        own = set(range(first, last))
+        for child in _statements_in(node):
+            lo, hi = _lines_of(child)
+            own.difference_update(range(lo, hi))
+        live |= own
+    return frozenset(live)
+
+
+def live_check(
+    texts: dict[str, str], executed: dict[str, frozenset[int]] | None
+) -> Callable[[str, int], bool] | None:
+    """`propose`'s `live` for the files `texts`, from the 0-based lines of each file a
+    failing run ran (`executed`, `localize.executed_lines`): no line of a Python file it
+    never ran is live. Every line of a file the record cannot tell of (not Python, or
+    it does not parse) is, and with no record (`executed` None), None."""
+    if executed is None:
+        return None
+    live: dict[str, frozenset[int] | None] = {
+        path: live_lines(text, executed.get(path, ())) if path.endswith(".py") else None
+        for path, text in texts.items()
+    }
+
+    def check(path: str, line: int) -> bool:
+        lines = live.get(path)
+        return lines is None or line in lines
+
+    return check
+
+
+def _lines_of(node: ast.stmt) -> tuple[int, int]:
+    """The 0-based lines [first, last) of a statement, its decorators included."""
+    first = node.lineno - 1
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        first = min([first, *(d.lineno - 1 for d in node.decorator_list)])
+    return first, node.end_lineno or node.lineno
+
+
+def _statements_in(node: ast.stmt) -> list[ast.stmt]:
+    """The statements a compound statement holds directly (those of its `except`
+    clauses and `case`s included)."""
+    out: list[ast.stmt] = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.stmt):
+            out.append(child)
+        elif isinstance(child, ast.ExceptHandler | ast.match_case):
+            out += child.body
     return out
 
 

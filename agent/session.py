@@ -851,9 +851,9 @@ class Session:
             return None
 
         installed = localize.installed_folders(self.workspace.root)
-        called = await self._failing_calls(command, installed)
+        traced = await self._failing_run(command, installed)
         lines = _repair_lines(
-            self.workspace, self.turns, held, called, installed, self._output(command)
+            self.workspace, self.turns, held, traced.called, installed, self._output(command)
         )
         texts: dict[str, str] = {}
         for path, _ in lines:
@@ -900,6 +900,7 @@ class Session:
                 texts,
                 spans,
                 known=known,
+                live=repair.live_check(texts, traced.executed),
             )
         except ModelError as e:
             log.warning("session %s: no edits proposed: %s", self.id, e)
@@ -915,6 +916,7 @@ class Session:
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
             "proposals": len(proposals),
+            **({"not_run": not_run} if (not_run := sum(not p.ran for p in proposals)) else {}),
             **({"known_failed": skipped} if skipped else {}),
             **({"forked": forked} if forked else {}),
             **({"turned_down": turned_down} if turned_down else {}),
@@ -1184,15 +1186,15 @@ class Session:
             verdicts = None
         return verdicts, self.clock.now() - t0
 
-    async def _failing_calls(
-        self, command: str, installed: tuple[str, ...] = ()
-    ) -> list[tuple[str, int]]:
-        """The workspace's functions the failing test called, the last called first,
-        none in `installed` folders: the failing command run once more, read-only, with
-        a profiler (`localize.failing_calls`); [] when that cannot be done."""
-        limit = self._rerun_limit(command, 2.0)  # a profiled run is slower than a plain one
+    async def _failing_run(self, command: str, installed: tuple[str, ...] = ()) -> localize.Failing:
+        """The workspace's functions the failing test called, the last called first, and
+        the lines of its code the run ran, none in `installed` folders: the failing
+        command run once more, read-only, with a tracer (`localize.failing_run`);
+        nothing found when that cannot be done."""
+        nothing = localize.Failing([], None)
+        limit = self._rerun_limit(command, 3.0)  # a traced run is slower than a plain one
         if limit is None:
-            return []
+            return nothing
         root = Path(self.workspace.root)
 
         async def run(traced: str, folder: Path) -> None:
@@ -1206,12 +1208,12 @@ class Session:
             )
 
         try:
-            return await localize.failing_calls(
+            return await localize.failing_run(
                 command, str(root), self._output(command), run, installed
             )
         except (ToolError, OSError) as e:
-            log.info("session %s: no profiled run of %r: %s", self.id, command, e)
-            return []
+            log.info("session %s: no traced run of %r: %s", self.id, command, e)
+            return nothing
 
     async def _reproduce(self, query: str) -> None:
         """With repair on, when `query` quotes how the code fails (`reproduce.quoted`):

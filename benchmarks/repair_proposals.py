@@ -19,6 +19,12 @@ and at all, and the median time:
 (`training/repairrl.py`'s checkpoints against the shipped policy, say), each task's rank
 side by side, then each model's counts.
 
+`--ran` also runs each task's failing tests once, traced, in its workspace (read-only
+in the sandbox, as a session's repair does: `localize.failing_run`) and proposes
+again with the edits of lines that run reached first (`propose(live=…)`); each task
+shows both ranks, then both counts. With `--others`, the functions beside the broken
+one are in focus too, as a session's reads put them there.
+
 `--again` times what a session's next repair of the same code costs, the candidates
 tried before left out (`propose(known=…)`): proposed by the model anew, and through
 the session's memory of the model's reads (`repair.Remembered`, which made the first
@@ -30,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,6 +87,11 @@ async def main() -> int:
         action="store_true",
         help="time a second repair of the same code, anew and from the reads' memory",
     )
+    ap.add_argument(
+        "--ran",
+        action="store_true",
+        help="also propose with the edits of lines the failing run reached first",
+    )
     a = ap.parse_args()
 
     from opencomposer.agent import repair
@@ -111,6 +124,7 @@ async def main() -> int:
     if not states:
         print("no single-site task")
         return 1
+    ran = await executed(states) if a.ran else {}
     sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
     ranks: dict[str, list[int | None]] = {}
     seconds: dict[str, list[float]] = {}
@@ -135,11 +149,24 @@ async def main() -> int:
                 )
                 if a.again:
                     again[label].append(await propose_again(model, texts, spans, got, sizes))
+                if a.ran:
+                    live = repair.live_check(texts, ran.get(task.id))
+                    first = await repair.propose(
+                        model, model.tokenizer, texts, spans, live=live, **sizes
+                    )
+                    at = next((i for i, p in enumerate(first) if p.after == state["fixed"]), None)
+                    ranks.setdefault(f"{label} ran first", []).append(at)
+                    seconds.setdefault(f"{label} ran first", []).append(seconds[label][-1])
+                    print(
+                        f"  ran first: {'not proposed' if at is None else f'rank {at + 1}'}"
+                        f" of {len(first)}; {sum(not p.ran for p in first)} not run"
+                        + ("" if live else " (no record of the run)")
+                    )
         finally:
             await model.close()
     n = len(states)
     print()
-    for label, _ in models:
+    for label in ranks:
         got = ranks[label]
         within = [sum(r is not None and r < k for r in got) for k in (1, 5, 10, 20, 50)]
         found = sum(r is not None for r in got)
@@ -149,15 +176,15 @@ async def main() -> int:
             f" {within[4]}; proposed at all in {found}/{n}. Proposing: median"
             f" {statistics.median(seconds[label]):.1f} s, max {max(seconds[label]):.1f} s"
         )
-        if again[label]:
+        if again.get(label):
             anew, memo = (statistics.median(t) for t in zip(*again[label], strict=True))
             print(
                 f"{label}: the next repair of the same code: median {anew:.1f} s proposed anew,"
                 f" {memo:.2f} s from memory ({anew / memo:.0f}x)"
             )
-    if len(models) > 1:
+    if len(ranks) > 1:
         base = models[0][0]
-        for label, _ in models[1:]:
+        for label in [k for k in ranks if k != base]:
             pairs = [
                 (b, o)
                 for b, o in zip(ranks[base], ranks[label], strict=True)
@@ -167,6 +194,41 @@ async def main() -> int:
             down = sum(b is not None and (o is None or b < o) for b, o in pairs)
             print(f"{label} against {base}: the fix ranks higher in {up} tasks, lower in {down}")
     return 0
+
+
+async def executed(states: list[Any]) -> dict[str, dict[str, frozenset[int]] | None]:
+    """Each task's `localize.executed_lines`: its failing command (`state["command"]`)
+    run once, traced, in its workspace, read-only in the sandbox."""
+    from opencomposer.agent import localize
+    from opencomposer.tools.protocols import SandboxConfig
+    from opencomposer.tools.sandbox import run_sandboxed
+    from opencomposer.training.env import EnvConfig, Workspaces, remove_workspace
+
+    root = Path(tempfile.mkdtemp(prefix="repair-proposals-"))
+    ws = Workspaces(root / "ws", EnvConfig(pool_size=0, max_templates=2))
+    config = SandboxConfig(mode="read-only", timeout_s=300)
+    out: dict[str, dict[str, frozenset[int]] | None] = {}
+    try:
+        for task, state, _ in states:
+            workspace = await ws.template(task)
+            first = await run_sandboxed(state["command"], root=workspace, config=config, files={})
+
+            async def go(traced: str, folder: Path, at: Path = workspace) -> None:
+                await run_sandboxed(traced, root=at, config=config, files={}, scratch=folder)
+
+            found = await localize.failing_run(
+                state["command"],
+                str(workspace),
+                first.output,
+                go,
+                localize.installed_folders(workspace),
+            )
+            out[task.id] = found.executed
+    finally:
+        await ws.aclose()
+        remove_workspace(root / "ws")
+        shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 async def propose_again(

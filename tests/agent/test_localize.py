@@ -81,10 +81,56 @@ async def test_a_profiled_run_gives_what_the_failing_test_called_last_first(tmp_
     assert not list(root.rglob("__pycache__"))  # the run wrote nothing in the workspace
 
 
-async def test_a_command_that_is_not_python_or_sets_its_path_finds_nothing(tmp_path):
+async def test_a_traced_run_gives_the_lines_of_the_code_it_ran(tmp_path):
+    root = project(tmp_path / "repo")
+    config = SandboxConfig(mode="read-only")
+    command = f"{PYTEST}::test_make"
+    first = await run_sandboxed(command, root=root, config=config, files={})
+
+    async def go(traced: str, folder: Path) -> None:
+        await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
+
+    got = await localize.failing_run(command, str(root), first.output, go)
+    assert got.called[0] == ("m.py", 1)
+    assert got.executed is not None and set(got.executed) == {"m.py"}  # no test file
+    ran = got.executed["m.py"]
+    assert {2, 12, 16} <= ran  # Pair.__init__, scale and make ran
+    assert 20 not in ran and 19 in ran  # `unused` was defined, never called
+    everything = await localize.failing_run(PYTEST, str(root), first.output, go)
+    assert everything.executed is not None and 20 in everything.executed["m.py"]
+
+
+def test_a_record_whose_called_code_shows_no_lines_tells_nothing():
+    root = "/w"
+    calls = [["/w/a.py", 1, "f", 1], ["/w/b.py", 4, "g", 2]]
+    trace = {"tests": [], "all": calls, "lines": {"/w/a.py": [1, 2], "/w/b.py": [5]}}
+    assert localize.executed_lines(trace, root) == {"a.py": {0, 1}, "b.py": {4}}
+    # b.py's g was called, yet no line of it ran: another tracer took this one's place
+    assert localize.executed_lines({**trace, "lines": {"/w/a.py": [1, 2]}}, root) is None
+    assert localize.executed_lines({"tests": [], "all": calls}, root) is None
+
+
+async def test_a_command_that_is_not_python_finds_nothing(tmp_path):
     root = project(tmp_path / "repo")
     assert (await profiled(root, "exit 1"))[0] == []
-    assert (await profiled(root, f"PYTHONPATH=/nowhere {PYTEST}"))[0] == []
+
+
+async def test_a_command_that_sets_its_own_path_is_traced_too(tmp_path):
+    root = project(tmp_path / "repo")
+    plain = (await profiled(root, PYTEST))[0]
+    assert plain and (await profiled(root, f"PYTHONPATH=/nowhere {PYTEST}"))[0] == plain
+    assert (await profiled(root, f"export PYTHONPATH=/nowhere; {PYTEST}"))[0] == plain
+
+
+def test_the_tracer_goes_first_in_a_path_the_command_sets():
+    put = localize.with_tracer_path
+    assert put("PYTHONPATH=src:.deps python -m pytest", "/t") == (
+        "PYTHONPATH='/t':src:.deps python -m pytest"
+    )
+    assert put("cd a && export PYTHONPATH=b; env PYTHONPATH=c pytest", "/t") == (
+        "cd a && export PYTHONPATH='/t':b; env PYTHONPATH='/t':c pytest"
+    )
+    assert put("MYPYTHONPATH=x pytest", "/t") == "MYPYTHONPATH=x pytest"
 
 
 def test_the_failing_test_is_found_by_its_frame_then_its_name_then_the_whole_run():
@@ -138,6 +184,8 @@ async def test_the_repair_finds_a_function_only_the_failing_test_reached(repo, s
     assert (repo / "other.py").read_text() == "def other():\n    return 1\n"
     meta = result.turns[1].output.meta["repair"]
     assert ["m.py", 1, 4] in meta["spans"] and ["other.py", 1, 2] in meta["spans"]
+    # the failing run never ran `other`: its edits come after those of `pick`
+    assert meta["not_run"] > 0 and meta["runs"] <= meta["proposals"] - meta["not_run"] + 1
 
 
 def test_the_guard_runs_every_test_of_the_failing_tests_files():

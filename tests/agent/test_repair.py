@@ -568,3 +568,61 @@ def test_a_span_that_steps_out_of_a_nested_class_is_checked_alone():
     assert repair._shape("m.py", site.checked(site.body + "    # a note\n")) == site.shape
     # a region whose first lines are its outermost is left as it is
     assert repair._region("def f():\n    return 1\n") == "def f():\n    return 1\n"
+
+
+BRANCHES = (
+    "def sign(n):\n"  # 0
+    "    if n > 0:\n"  # 1
+    "        return 1\n"  # 2
+    "    elif n < 0:\n"  # 3
+    "        return -1\n"  # 4
+    "    else:\n"  # 5
+    "        total = max(\n"  # 6
+    "            n,\n"  # 7
+    "            0,\n"  # 8
+    "        )\n"  # 9
+    "        return total\n"  # 10
+    "\n"  # 11
+    "\n"  # 12
+    "def never(n):\n"  # 13
+    "    return n\n"  # 14
+)
+
+
+def test_live_lines_are_the_statements_a_run_reached():
+    # sign(0) ran: lines 1, 3, 6 (the call reports one of its lines) and 10; both
+    # functions' `def` lines ran when the module was imported
+    live = repair.live_lines(BRANCHES, {0, 1, 3, 6, 10, 13})
+    assert live is not None
+    assert {1, 3, 5, 6, 7, 8, 9, 10} <= live  # `else:`, and the whole call
+    assert not {2, 4, 14} & live  # the branches not taken, the body never run
+    assert {0, 13} <= live  # a signature (its defaults) runs at import
+    assert repair.live_lines("def broken(:\n", {0}) is None
+    # nothing can be put between the statements of a function that never ran
+    idle = "@wrap\ndef f(a=1):\n    x = a\n\n    return x\n"
+    assert repair.live_lines(idle, {0, 1}) == {0, 1}
+    assert repair.live_lines(idle, {0, 1, 2, 4}) == {0, 1, 2, 3, 4}
+
+
+async def test_edits_of_lines_the_failing_run_reached_come_first():
+    lm = NGram(KNOWN)
+    text = (
+        "def pick(lo, hi):\n    if lo < hi:\n        return lo\n    return hi\n\n"
+        "def spare(lo, hi):\n    if lo < hi:\n        return hi\n    return lo\n"
+    )
+    spans = [repair.Span("m.py", 0, 4), repair.Span("m.py", 5, 9)]
+    everywhere = await repair.propose(lm, lm.tok, {"m.py": text}, spans, tail=64)
+    assert all(p.ran for p in everywhere)  # no record: every line counts as run
+    spare = set(range(5, 9))
+
+    def live(path, line):
+        return path == "m.py" and line not in spare  # `spare` never ran
+
+    got = await repair.propose(lm, lm.tok, {"m.py": text}, spans, tail=1000, live=live)
+    flags = [p.ran for p in got]
+    assert flags == sorted(flags, reverse=True) and True in flags and False in flags
+    cut = len("".join(text.splitlines(keepends=True)[:5]))
+    for p in got:  # an edit that ran changes what comes before `spare`
+        assert (p.after[:cut] != text[:cut]) == p.ran, (p.old, p.new)
+    # without the record, edits of `spare` rank among the first 64, with those of `pick`
+    assert any(p.after[:cut] == text[:cut] for p in everywhere)
