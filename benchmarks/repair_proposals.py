@@ -151,12 +151,13 @@ async def main() -> int:
                     again[label].append(await propose_again(model, texts, spans, got, sizes))
                 if a.ran:
                     live = repair.live_check(texts, ran.get(task.id))
+                    t0 = time.perf_counter()
                     first = await repair.propose(
                         model, model.tokenizer, texts, spans, live=live, **sizes
                     )
                     at = next((i for i, p in enumerate(first) if p.after == state["fixed"]), None)
                     ranks.setdefault(f"{label} ran first", []).append(at)
-                    seconds.setdefault(f"{label} ran first", []).append(seconds[label][-1])
+                    seconds.setdefault(f"{label} ran first", []).append(time.perf_counter() - t0)
                     print(
                         f"  ran first: {'not proposed' if at is None else f'rank {at + 1}'}"
                         f" of {len(first)}; {sum(not p.ran for p in first)} not run"
