@@ -47,6 +47,10 @@ MOST = 10
 # How deep `installed_folders` looks for install folders (an in-tree
 # `.venv/lib/python3.X/site-packages` is 4 down), and how many folders it reads at most.
 INSTALLED_DEPTH = 4
+# Line events of the workspace's code a traced run follows, at most (each costs about
+# what a call of a small Python function does); past them, a process stops following
+# lines, and its record says so, so that no line counts as not run.
+LINE_EVENTS = 5_000_000
 INSTALLED_SCAN = 20_000
 _NOT_SCANNED = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__"})
 
@@ -67,6 +71,7 @@ _n = [0]
 _SHOW = ("__repr__", "__str__", "__format__")
 _kind = {}  # file -> is it a test file
 _lines = {}  # file of the workspace's code (not a test's) -> the lines it ran
+_left = [__LINE_EVENTS__]  # line events still followed: a hot loop stops the following
 
 
 def _is_test(path):
@@ -105,12 +110,19 @@ def _trace(frame, event, arg):
     path = frame.f_code.co_filename
     if not path.startswith(_ROOT) or path.startswith(_SKIP) or _is_test(path):
         return None  # its lines are not followed
+    if _left[0] <= 0:
+        return None
     _lines.setdefault(path, set()).add(frame.f_lineno)
     return _line
 
 
 def _line(frame, event, arg):
     if event == "line":
+        _left[0] -= 1
+        if _left[0] <= 0:  # too many to follow: the record will say so
+            sys.settrace(None)
+            threading.settrace(None)
+            return None
         _lines[frame.f_code.co_filename].add(frame.f_lineno)
     return _line
 
@@ -124,6 +136,7 @@ def _dump():
         "tests": [[*k, [[*w, s] for w, s in calls.items()]] for k, calls in _tests.items()],
         "all": [[*w, s] for w, s in _all.items()],
         "lines": {path: sorted(lines) for path, lines in _lines.items()},
+        "lines_cut": _left[0] <= 0,
     }
     with open(os.path.join(_OUT, "%d.json" % os.getpid()), "w") as fh:
         json.dump(out, fh)
@@ -146,8 +159,11 @@ _TEST_NAME = re.compile(r"(?:^|\s)([\w./-]+\.py)::(?:\w+::)*(\w+)", re.MULTILINE
 
 
 def tracer_source() -> str:
-    """The `sitecustomize.py` a traced run loads (its test-file rule is the repair's)."""
-    return _TRACER.replace("__TEST_FILE__", repr(repair._TEST_FILE.pattern))
+    """The `sitecustomize.py` a traced run loads (its test-file rule is the repair's),
+    following `LINE_EVENTS` line events of the workspace's code at most."""
+    return _TRACER.replace("__TEST_FILE__", repr(repair._TEST_FILE.pattern)).replace(
+        "__LINE_EVENTS__", str(int(LINE_EVENTS))
+    )
 
 
 def trace_prefix(folder: str, root: str, skip: tuple[str, ...] = ()) -> str:
@@ -226,6 +242,8 @@ def read_trace(folder: Path) -> Trace:
         if isinstance(data, dict):
             merged["tests"] += data.get("tests") or []
             merged["all"] += data.get("all") or []
+            if data.get("lines_cut"):
+                merged["lines_cut"] = True
             ran = data.get("lines")
             for path, got in ran.items() if isinstance(ran, dict) else ():
                 lines.setdefault(str(path), set()).update(n for n in got if isinstance(n, int))
@@ -236,12 +254,12 @@ def read_trace(folder: Path) -> Trace:
 
 def executed_lines(trace: Trace, root: str) -> dict[str, frozenset[int]] | None:
     """The 0-based lines of each workspace file (path relative to `root`) the traced
-    run ran, tests left out; None when the record cannot tell: it holds no lines, or a
-    file whose functions the run called has none (another tracer, pytest-cov's or a
-    debugger's, took the place of this one), so that code it shows as not run may
-    have run."""
+    run ran, tests left out; None when the record cannot tell: it holds no lines, a
+    process stopped following them (`LINE_EVENTS`), or a file whose functions the run
+    called has none (another tracer, pytest-cov's or a debugger's, took the place of
+    this one), so that code it shows as not run may have run."""
     ran = trace.get("lines")
-    if not isinstance(ran, dict) or not ran:
+    if not isinstance(ran, dict) or not ran or trace.get("lines_cut"):
         return None
     prefix = root.rstrip("/") + "/"
     for path, first, *_ in trace.get("all") or []:

@@ -100,6 +100,19 @@ async def test_a_traced_run_gives_the_lines_of_the_code_it_ran(tmp_path):
     assert everything.executed is not None and 20 in everything.executed["m.py"]
 
 
+async def test_a_run_past_the_line_events_followed_tells_no_lines(tmp_path, monkeypatch):
+    root = project(tmp_path / "repo")
+    monkeypatch.setattr(localize, "LINE_EVENTS", 3)
+    config = SandboxConfig(mode="read-only")
+    first = await run_sandboxed(PYTEST, root=root, config=config, files={})
+
+    async def go(traced: str, folder: Path) -> None:
+        await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
+
+    got = await localize.failing_run(PYTEST, str(root), first.output, go)
+    assert got.called and got.executed is None  # the calls are all there still
+
+
 def test_a_record_whose_called_code_shows_no_lines_tells_nothing():
     root = "/w"
     calls = [["/w/a.py", 1, "f", 1], ["/w/b.py", 4, "g", 2]]
