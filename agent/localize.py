@@ -335,17 +335,6 @@ async def failing_run(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-async def failing_calls(
-    command: str,
-    root: str,
-    output: str,
-    run: Callable[[str, Path], Awaitable[object]],
-    skip: tuple[str, ...] = (),
-) -> list[tuple[str, int]]:
-    """`called_lines` of a traced run of `command` (`failing_run`)."""
-    return (await failing_run(command, root, output, run, skip)).called
-
-
 # -- what else the failing test's files test -----------------------------------------
 
 _SHELL = re.compile(r"[|&;<>()`$]")

@@ -67,7 +67,8 @@ async def profiled(root: Path, command: str) -> tuple[list[tuple[str, int]], str
     async def go(traced: str, folder: Path) -> None:
         await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
 
-    return await localize.failing_calls(command, str(root), first.output, go), first.output
+    got = await localize.failing_run(command, str(root), first.output, go)
+    return got.called, first.output
 
 
 async def test_a_profiled_run_gives_what_the_failing_test_called_last_first(tmp_path):
@@ -336,10 +337,10 @@ async def test_a_profiled_run_leaves_out_the_code_of_installed_packages(tmp_path
     async def go(traced: str, folder: Path) -> None:
         await run_sandboxed(traced, root=root, config=config, files={}, scratch=folder)
 
-    everything = await localize.failing_calls(command, str(root), first.output, go)
+    everything = (await localize.failing_run(command, str(root), first.output, go)).called
     assert {p for p, _ in everything} == {"m.py", ".deps/lib/__init__.py"}
     skip = localize.installed_folders(root)
-    got = await localize.failing_calls(command, str(root), first.output, go, skip)
+    got = (await localize.failing_run(command, str(root), first.output, go, skip)).called
     assert got == [("m.py", 5), ("m.py", 11)]  # pick, called back last; run_pick
 
 
