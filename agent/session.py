@@ -889,6 +889,12 @@ class Session:
             self._failed_edits.add(key)
             ruled_out.add(key)
 
+        live = repair.live_check(texts, traced.executed)
+        # of the lines in focus, those the failing run reached (when its record tells)
+        reached = None
+        if live is not None:
+            focus_lines = [(s.path, n) for s in spans for n in range(s.start, s.end)]
+            reached = [sum(live(p, n) for p, n in focus_lines), len(focus_lines)]
         try:
             if self._repair_lm is None:
                 self._repair_lm = repair.Remembered(self.model)  # type: ignore[arg-type]
@@ -900,7 +906,7 @@ class Session:
                 texts,
                 spans,
                 known=known,
-                live=repair.live_check(texts, traced.executed),
+                live=live,
             )
         except ModelError as e:
             log.warning("session %s: no edits proposed: %s", self.id, e)
@@ -915,6 +921,7 @@ class Session:
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
+            **({"reached": reached} if reached else {}),
             "proposals": len(proposals),
             **({"not_run": not_run} if (not_run := sum(not p.ran for p in proposals)) else {}),
             **({"known_failed": skipped} if skipped else {}),

@@ -200,6 +200,9 @@ async def test_the_repair_finds_a_function_only_the_failing_test_reached(repo, s
     assert ["m.py", 1, 4] in meta["spans"] and ["other.py", 1, 2] in meta["spans"]
     # the failing run never ran `other`: its edits come after those of `pick`
     assert meta["not_run"] > 0 and meta["runs"] <= meta["proposals"] - meta["not_run"] + 1
+    # of pick's four lines, `return lo` did not run (pick(2, 2) failed the assertion
+    # first); other.py was never imported
+    assert meta["reached"] == [3, 6]
 
 
 def test_the_guard_runs_every_test_of_the_failing_tests_files():
