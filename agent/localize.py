@@ -255,15 +255,16 @@ def read_trace(folder: Path) -> Trace:
 def executed_lines(trace: Trace, root: str) -> dict[str, frozenset[int]] | None:
     """The 0-based lines of each workspace file (path relative to `root`) the traced
     run ran, tests left out; None when the record cannot tell: it holds no lines, a
-    process stopped following them (`LINE_EVENTS`), or a file whose functions the run
-    called has none (another tracer, pytest-cov's or a debugger's, took the place of
-    this one), so that code it shows as not run may have run."""
+    process stopped following them (`LINE_EVENTS`), or the file of a function the run
+    called has none from its `def` on (another tracer, pytest-cov's or a debugger's,
+    took the place of this one), so that code it shows as not run may have run."""
     ran = trace.get("lines")
     if not isinstance(ran, dict) or not ran or trace.get("lines_cut"):
         return None
     prefix = root.rstrip("/") + "/"
+    last = {path: max(got, default=0) for path, got in ran.items()}
     for path, first, *_ in trace.get("all") or []:
-        if not any(n >= int(first) for n in ran.get(path, ())):
+        if last.get(path, 0) < int(first):  # no line of the function's file from its def on
             return None
     return {
         path[len(prefix) :]: frozenset(n - 1 for n in got if n > 0)

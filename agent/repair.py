@@ -19,7 +19,8 @@ masked-language-model program repair does, with a causal model:
    in place of `b` in `f(b, a)`, then `, b)`).
 3. The candidates that still parse, keep the names the file defines and change what
    the code does (not its comments, layout or docstrings alone) are returned, `TAIL`
-   at most, best first by first-order gain. With `rescore`, the first of them are
+   at most, best first by first-order gain; with the lines the failing run reached
+   (`live_lines`), every edit of one of those comes before any other. With `rescore`, the first of them are
    scored exactly instead: log P(the edit and the `RESCORE_TOKENS` tokens after it)
    against log P(the tokens it replaces and the same tokens after them), with all the
    code before as context (a backend with a prefix cache reads only the window). By
@@ -247,10 +248,7 @@ def enclosing(text: str, line: int, path: str = "") -> tuple[int, int] | None:
             for node in ast.walk(tree):
                 if not isinstance(node, ast.stmt):
                     continue
-                first = node.lineno - 1
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    first = min([first, *(d.lineno - 1 for d in node.decorator_list)])
-                last = node.end_lineno or node.lineno
+                first, last = _lines_of(node)
                 if not first <= line < last:
                     continue
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -449,12 +447,11 @@ def _ran(
     break, at the end of the line it ends); always, without `live`."""
     if live is None:
         return lambda se: True
-    check = live
     by_site: dict[_Site, list[bool]] = {}
     for site in sites:
         line, flags = site.span.start, []
         for piece in site.pieces:
-            flags.append(check(site.span.path, line))
+            flags.append(live(site.span.path, line))
             line += piece.count("\n")
         by_site[site] = flags
     return lambda se: by_site[se[0]][se[1].at]
