@@ -25,6 +25,11 @@ again with the edits of lines that run reached first (`propose(live=…)`); each
 shows both ranks, then both counts. With `--others`, the functions beside the broken
 one are in focus too, as a session's reads put them there.
 
+`--vs NAME=VALUE` proposes again with one of the repair's numbers changed
+(`--vs TOP_K=16`, `--vs EXPAND=64`) on the same tasks and model, each task's two ranks
+and times side by side, then both counts and how many ranks rose and fell: a change to
+the proposing is measured against the code as it is, in one run.
+
 `--again` times what a session's next repair of the same code costs, the candidates
 tried before left out (`propose(known=…)`): proposed by the model anew, and through
 the session's memory of the model's reads (`repair.Remembered`, which made the first
@@ -48,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from heldout import cpu_model  # noqa: E402
+
+# repair's numbers that are `propose`'s defaults, and its arguments that take them
+PROPOSE_ARGS = {"TOP_K": "k", "EXPAND": "expand", "RESCORE": "rescore", "TAIL": "tail"}
 
 
 async def main() -> int:
@@ -88,6 +96,12 @@ async def main() -> int:
         help="time a second repair of the same code, anew and from the reads' memory",
     )
     ap.add_argument(
+        "--vs",
+        metavar="NAME=VALUE",
+        help="also propose with the constant repair.NAME set to VALUE (FORKS=0, say),"
+        " each task's two ranks side by side, then both counts",
+    )
+    ap.add_argument(
         "--ran",
         action="store_true",
         help="also propose with the edits of lines the failing run reached first",
@@ -126,6 +140,13 @@ async def main() -> int:
         return 1
     ran = await executed(states) if a.ran else {}
     sizes = {k: v for k, v in (("rescore", a.rescore), ("tail", a.tail)) if v is not None}
+    vs = None
+    if a.vs:
+        name, _, value = a.vs.partition("=")
+        if not hasattr(repair, name) or not isinstance(getattr(repair, name), int):
+            print(f"error: --vs {a.vs}: repair has no number {name}", file=sys.stderr)
+            return 1
+        vs = (name, int(value))
     ranks: dict[str, list[int | None]] = {}
     seconds: dict[str, list[float]] = {}
     again: dict[str, list[tuple[float, float]]] = {}
@@ -147,6 +168,27 @@ async def main() -> int:
                     f"{label}: {task.id} ({state['kind']}): {where} of {len(got)},"
                     f" {lines} lines, {seconds[label][-1]:.1f} s"
                 )
+                if vs is not None:
+                    name, value = vs
+                    kept, t0 = getattr(repair, name), time.perf_counter()
+                    setattr(repair, name, value)
+                    # propose's defaults are read once: those numbers go as its arguments
+                    given = {
+                        **sizes,
+                        **({PROPOSE_ARGS[name]: value} if name in PROPOSE_ARGS else {}),
+                    }
+                    try:
+                        other = await repair.propose(model, model.tokenizer, texts, spans, **given)
+                    finally:
+                        setattr(repair, name, kept)
+                    arm = f"{label} {name}={value}"
+                    seconds.setdefault(arm, []).append(time.perf_counter() - t0)
+                    at = next((i for i, p in enumerate(other) if p.after == state["fixed"]), None)
+                    ranks.setdefault(arm, []).append(at)
+                    print(
+                        f"  {name}={value}: {'not proposed' if at is None else f'rank {at + 1}'}"
+                        f" of {len(other)}, {seconds[arm][-1]:.1f} s"
+                    )
                 if a.again:
                     again[label].append(await propose_again(model, texts, spans, got, sizes))
                 if a.ran:
