@@ -4,7 +4,7 @@ repair uses it and still keeps only what a real trial run passes."""
 
 from pathlib import Path
 
-from opencomposer.agent import repair, trials
+from opencomposer.agent import repair, session, trials
 from opencomposer.agent.session import Session
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
@@ -258,7 +258,9 @@ async def test_a_pytest_run_of_no_test_does_not_replace_the_failing_check(repo, 
 
 def one_at_a_time(monkeypatch, candidates: list[tuple[str, str]]) -> None:
     """`repair.propose` as a model with `candidates` in that order: the first one not
-    yet known to have failed, or none."""
+    yet known to have failed, or none; one batch a turn (as when a turn's trial time
+    runs out), so each turn tries one."""
+    monkeypatch.setattr(session, "BATCHES", 1)
 
     async def proposed(*args, **kw):
         known = kw.get("known") or (lambda path, after: False)
