@@ -927,6 +927,8 @@ class Session:
                 known_failed, proposed_s = skipped, self.clock.now() - t0
             # none tried again in this turn (`known` leaves them out of `propose`'s own)
             batch = [p for p in batch if _digest(state, p.path, p.after) not in ruled_out]
+            if not batch:
+                break
             batches += 1
             tried_before = len(ruled_out)
             at, tried_runs, counts = await self._first_passing(
@@ -940,7 +942,6 @@ class Session:
             proposals += batch
             if (
                 at is not None
-                or not batch
                 or len(ruled_out) - tried_before < len(batch)  # not all tried in time
                 or deadline - self.clock.now() < 2 * TRIAL_MIN_S
             ):

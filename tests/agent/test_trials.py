@@ -214,6 +214,8 @@ async def test_a_change_that_still_fails_the_test_is_not_made_when_no_edit_passe
             assert change.result.output.startswith("not made:") and ONE in change.result.output
         assert rerun.result.meta["exit_code"] != 0  # it ran, on the code as it was
         assert result.turns[1].output.meta["repair"]["held_back"] == 1 + twice
+        # the next batch of the turn's repair was empty: one batch
+        assert "batches" not in result.turns[1].output.meta["repair"]
         assert result.turns[2].output.meta["repair"]["known_failed"] == 1
 
 
