@@ -73,9 +73,6 @@ DEFAULT_MAX_TURNS = 25
 # turn whose repair (`SessionConfig.repair`) ruled out candidates is not such a turn:
 # the next one tries the candidates after them.
 STUCK_TURNS = 3
-# Batches of candidates a turn's repair proposes at most (`repair.TAIL` each): when
-# every candidate of one failed and time is left, the next ones by gain are tried.
-BATCHES = 8
 # A trial run of a candidate change (`SessionConfig.verify_s`) may take this many times
 # what the failing command took, and at least TRIAL_MIN_S seconds.
 TRIAL_FACTOR = 3.0
@@ -898,62 +895,34 @@ class Session:
         if live is not None:
             focus_lines = [(s.path, n) for s in spans for n in range(s.start, s.end)]
             reached = [sum(live(p, n) for p, n in focus_lines), len(focus_lines)]
-        if self._repair_lm is None:
-            self._repair_lm = repair.Remembered(self.model)  # type: ignore[arg-type]
-        lm = self._repair_lm
-        asked, reused = lm.asked, lm.reused
-        proposals: list[repair.Proposal] = []
-        turned_down: dict[str, int] = {}
-        forked: dict[str, Any] = {}
-        index, batches, known_failed, proposed_s = None, 0, 0, 0.0
-        # while every candidate proposed has failed and the turn's trial time is not
-        # spent, the next ones by gain (those that failed are `known` now)
-        while batches < BATCHES:
-            try:
-                batch = await repair.propose(
-                    lm,
-                    self.model.tokenizer,  # type: ignore[attr-defined]
-                    texts,
-                    spans,
-                    known=known,
-                    live=live,
-                )
-            except ModelError as e:
-                log.warning("session %s: no edits proposed: %s", self.id, e)
-                if not proposals:
-                    return unrepaired()
-                break
-            if not batches:
-                known_failed, proposed_s = skipped, self.clock.now() - t0
-            # none tried again in this turn (`known` leaves them out of `propose`'s own)
-            batch = [p for p in batch if _digest(state, p.path, p.after) not in ruled_out]
-            if not batch:
-                break
-            batches += 1
-            tried_before = len(ruled_out)
-            at, tried_runs, counts = await self._first_passing(
-                command, batch, check, deadline, turned_down, failed
+        try:
+            if self._repair_lm is None:
+                self._repair_lm = repair.Remembered(self.model)  # type: ignore[arg-type]
+            lm = self._repair_lm
+            asked, reused = lm.asked, lm.reused
+            proposals = await repair.propose(
+                lm,
+                self.model.tokenizer,  # type: ignore[attr-defined]
+                texts,
+                spans,
+                known=known,
+                live=live,
             )
-            runs += tried_runs
-            for key, n in counts.items():
-                forked[key] = round(forked.get(key, 0) + n, 2)
-            if at is not None:
-                index = len(proposals) + at
-            proposals += batch
-            if (
-                at is not None
-                or len(ruled_out) - tried_before < len(batch)  # not all tried in time
-                or deadline - self.clock.now() < 2 * TRIAL_MIN_S
-            ):
-                break
-        skipped = known_failed
+        except ModelError as e:
+            log.warning("session %s: no edits proposed: %s", self.id, e)
+            return unrepaired()
+        proposed_s = self.clock.now() - t0
+        turned_down: dict[str, int] = {}
+        index, tried_runs, forked = await self._first_passing(
+            command, proposals, check, deadline, turned_down, failed
+        )
+        runs += tried_runs
         found = None if index is None else proposals[index]
         meta = {
             "command": command,
             "spans": [[s.path, s.start + 1, s.end] for s in spans],
             **({"reached": reached} if reached else {}),
             "proposals": len(proposals),
-            **({"batches": batches} if batches > 1 else {}),
             **({"not_run": not_run} if (not_run := sum(not p.ran for p in proposals)) else {}),
             **({"known_failed": skipped} if skipped else {}),
             **({"forked": forked} if forked else {}),

@@ -8,7 +8,7 @@ import functools
 import math
 from collections import Counter, defaultdict
 
-from opencomposer.agent import repair, session
+from opencomposer.agent import repair
 from opencomposer.agent.backends.scripted import ScriptedModel
 from opencomposer.agent.session import Session, SessionConfig
 from opencomposer.tools.workspace import LocalWorkspace
@@ -511,10 +511,8 @@ async def test_a_change_that_cannot_apply_is_not_repaired_once_the_code_passes(r
 async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, store, monkeypatch):
     """Each repair tries a few candidates (`tail`). Once the first repair's have failed
     the check, the next repair, of the same code in the same focus, leaves them out and
-    tries those after them, the fix among them (one batch a turn, as when a turn's
-    trial time runs out)."""
+    tries those after them, the fix among them."""
     monkeypatch.setattr(repair, "propose", functools.partial(repair.propose, tail=6))
-    monkeypatch.setattr(session, "BATCHES", 1)
     result = await read_twice(repo, store)
     first, second = (t.output.meta["repair"] for t in result.turns[1:3])
     assert first["spans"] == second["spans"]
@@ -524,21 +522,6 @@ async def test_a_later_repair_tries_the_edits_after_those_that_failed(repo, stor
     # the same code, read again: the model's answers come from the session's memory
     assert first["reads"][0] > 0 and first["reads"][1] == 0
     assert second["reads"][0] == second["reads"][1] == first["reads"][0]
-
-
-async def test_a_repair_whose_candidates_all_failed_tries_the_next_ones_in_its_turn(
-    repo, store, monkeypatch
-):
-    """When every candidate of a batch failed and the turn's trial time is not spent,
-    the same repair proposes the next ones by gain (from the memory of the model's
-    reads) and tries them: the fix, seventh by gain, is found in the first turn."""
-    monkeypatch.setattr(repair, "propose", functools.partial(repair.propose, tail=6))
-    result = await read_twice(repo, store)
-    meta = result.turns[1].output.meta["repair"]
-    assert meta["batches"] == 2 and meta["proposals"] > 6 and "known_failed" not in meta
-    assert meta["ruled_out"] >= 6 and meta["runs"] >= 8  # the code, six, then the fix
-    assert meta["reads"][1] > 0  # the second batch, from memory
-    assert "repair" not in result.turns[2].output.meta  # the code passes
 
 
 async def test_a_span_that_does_not_compile_alone_is_checked_in_its_file():

@@ -4,7 +4,7 @@ repair uses it and still keeps only what a real trial run passes."""
 
 from pathlib import Path
 
-from opencomposer.agent import repair, session, trials
+from opencomposer.agent import repair, trials
 from opencomposer.agent.session import Session
 from opencomposer.tools.protocols import SandboxConfig
 from opencomposer.tools.sandbox import bwrap_path, run_sandboxed
@@ -214,8 +214,6 @@ async def test_a_change_that_still_fails_the_test_is_not_made_when_no_edit_passe
             assert change.result.output.startswith("not made:") and ONE in change.result.output
         assert rerun.result.meta["exit_code"] != 0  # it ran, on the code as it was
         assert result.turns[1].output.meta["repair"]["held_back"] == 1 + twice
-        # the next batch of the turn's repair was empty: one batch
-        assert "batches" not in result.turns[1].output.meta["repair"]
         assert result.turns[2].output.meta["repair"]["known_failed"] == 1
 
 
@@ -260,9 +258,7 @@ async def test_a_pytest_run_of_no_test_does_not_replace_the_failing_check(repo, 
 
 def one_at_a_time(monkeypatch, candidates: list[tuple[str, str]]) -> None:
     """`repair.propose` as a model with `candidates` in that order: the first one not
-    yet known to have failed, or none; one batch a turn (as when a turn's trial time
-    runs out), so each turn tries one."""
-    monkeypatch.setattr(session, "BATCHES", 1)
+    yet known to have failed, or none."""
 
     async def proposed(*args, **kw):
         known = kw.get("known") or (lambda path, after: False)
