@@ -20,13 +20,13 @@ masked-language-model program repair does, with a causal model:
 3. The candidates that still parse, keep the names the file defines and change what
    the code does (not its comments, layout or docstrings alone) are returned, `TAIL`
    at most, best first by first-order gain; with the lines the failing run reached
-   (`live_lines`), every edit of one of those comes before any other. With `rescore`, the first of them are
-   scored exactly instead: log P(the edit and the `RESCORE_TOKENS` tokens after it)
-   against log P(the tokens it replaces and the same tokens after them), with all the
-   code before as context (a backend with a prefix cache reads only the window). By
-   default none is: an exact score costs about what a forked trial run does
-   (`agent/trials.py`, 0.2-0.8 s a child on 2 cores), and the trial run tells whether the edit
-   passes. On 21 held-out single-site bugs (`benchmarks/repair_proposals.py`), 96
+   (`live_lines`), every edit of one of those comes before any other. With
+   `rescore`, the first of them are scored exactly instead: log P(the edit and the
+   `RESCORE_TOKENS` tokens after it) against log P(the tokens it replaces and the
+   same tokens after them), with all the code before as context (a backend with a
+   prefix cache reads only the window). By default none is: an exact score costs
+   about what a forked trial run does (`agent/trials.py`, 0.2-0.8 s a child on 2
+   cores), and the trial run tells whether the edit passes. On 21 held-out single-site bugs (`benchmarks/repair_proposals.py`), 96
    exact scores put the fix within the first 20 in 7 and proposing took 16.2 s
    (median); first-order gain alone, in 6, in 5.1 s.
 

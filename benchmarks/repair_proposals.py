@@ -98,7 +98,7 @@ async def main() -> int:
     ap.add_argument(
         "--vs",
         metavar="NAME=VALUE",
-        help="also propose with the constant repair.NAME set to VALUE (FORKS=0, say),"
+        help="also propose with the number repair.NAME set to VALUE (TOP_K=16, say),"
         " each task's two ranks side by side, then both counts",
     )
     ap.add_argument(
@@ -143,8 +143,10 @@ async def main() -> int:
     vs = None
     if a.vs:
         name, _, value = a.vs.partition("=")
-        if not hasattr(repair, name) or not isinstance(getattr(repair, name), int):
-            print(f"error: --vs {a.vs}: repair has no number {name}", file=sys.stderr)
+        if not isinstance(getattr(repair, name, None), int) or not value.lstrip("-").isdigit():
+            print(
+                f"error: --vs {a.vs}: give NAME=INTEGER, NAME a number of repair", file=sys.stderr
+            )
             return 1
         vs = (name, int(value))
     ranks: dict[str, list[int | None]] = {}
@@ -160,7 +162,7 @@ async def main() -> int:
                 texts = {state["path"]: state["text"]}
                 got = await repair.propose(model, model.tokenizer, texts, spans, **sizes)
                 seconds[label].append(time.perf_counter() - t0)
-                rank = next((i for i, p in enumerate(got) if p.after == state["fixed"]), None)
+                rank = rank_of(got, state["fixed"])
                 ranks[label].append(rank)
                 lines = sum(s.end - s.start for s in spans)
                 where = "not proposed" if rank is None else f"rank {rank + 1}"
@@ -183,7 +185,7 @@ async def main() -> int:
                         setattr(repair, name, kept)
                     arm = f"{label} {name}={value}"
                     seconds.setdefault(arm, []).append(time.perf_counter() - t0)
-                    at = next((i for i, p in enumerate(other) if p.after == state["fixed"]), None)
+                    at = rank_of(other, state["fixed"])
                     ranks.setdefault(arm, []).append(at)
                     print(
                         f"  {name}={value}: {'not proposed' if at is None else f'rank {at + 1}'}"
@@ -197,7 +199,7 @@ async def main() -> int:
                     first = await repair.propose(
                         model, model.tokenizer, texts, spans, live=live, **sizes
                     )
-                    at = next((i for i, p in enumerate(first) if p.after == state["fixed"]), None)
+                    at = rank_of(first, state["fixed"])
                     ranks.setdefault(f"{label} ran first", []).append(at)
                     seconds.setdefault(f"{label} ran first", []).append(time.perf_counter() - t0)
                     print(
@@ -237,6 +239,11 @@ async def main() -> int:
             down = sum(b is not None and (o is None or b < o) for b, o in pairs)
             print(f"{label} against {base}: the fix ranks higher in {up} tasks, lower in {down}")
     return 0
+
+
+def rank_of(proposals: list[Any], fixed: str) -> int | None:
+    """Where among `proposals` the reference fix (its file's text, `fixed`) is."""
+    return next((i for i, p in enumerate(proposals) if p.after == fixed), None)
 
 
 async def executed(states: list[Any]) -> dict[str, dict[str, frozenset[int]] | None]:
